@@ -1,0 +1,140 @@
+"""CacheManager: gives requests their KV slots and takes them back (pool + radix tree).
+
+It is the only place that moves slot ownership between the pool, the radix tree and requests.
+A request's slots, by offset, once admitted:
+
+    0                prefix_len                               num_slotted
+    [ radix hit:     | this request's own slots               ]
+      tree-owned,      (computed here, or relocated copies)
+      locked path
+
+On finish (`release(req, cache=True)`), with kv_len = tokens that have K/V and exact_len = the
+prefix of them that is exact (all of them unless SCR relocated something):
+
+    0           prefix_len       n_present        exact_len            kv_len
+    [ tree's    | duplicates of   | handed to the  | approximate:       ]
+      (unlock)    tree entries:     tree (insert)    never enters the
+                  freed                              tree; handed to the
+                                                     SCR session or freed
+
+On abort or preemption (`release(req, cache=False)`) every own slot is freed and the path unlocked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.radix import RadixCache
+from kvsplice.engine.request import Req
+
+
+class CacheManager:
+    """Slot ownership for requests. `prefix_cache=False` turns the radix tree into a null cache
+    (nothing matched, nothing inserted) without the scheduler testing a flag."""
+
+    def __init__(self, pool: KVPool, prefix_cache: bool = True):
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.radix = RadixCache(self.allocator)
+        self.prefix_cache = prefix_cache
+
+    # ----- allocation -------------------------------------------------------------------
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`n` fresh slots, evicting unlocked radix leaves once if needed; None if still short."""
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.radix.evict(n - self.allocator.num_free)
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def match(self, req: Req):
+        """Longest cached exact prefix usable by `req` (never the whole sequence: at least one
+        token must be computed to get logits). No match when prompt logprobs are wanted, since
+        those need logits at every prompt position."""
+        if not self.prefix_cache or req.wants_prompt_logprobs:
+            return self.radix.match_prefix([], req.namespace)
+        return self.radix.match_prefix(req.seq_ids[: req.seq_len - 1], req.namespace)
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` slots for its whole known sequence (radix hit + fresh slots for the rest).
+
+        Side effects on success: locks the matched radix path, fills `req.seq_slots`,
+        `prefix_len`, `owned_from`, `num_slotted`, `pending`. On failure nothing changes and the
+        request stays waiting.
+        """
+        match = self.match(req)
+        self.radix.lock(match.node)  # before alloc: its eviction must not take the matched path
+        fresh = self.alloc(req.seq_len - match.length)
+        if fresh is None:
+            self.radix.unlock(match.node)
+            return False
+        self.install(req, match, fresh)
+        req.pending = list(range(match.length, req.seq_len))
+        return True
+
+    def install(self, req: Req, match, fresh: torch.Tensor) -> None:
+        """Point `req` at its (already locked) radix hit followed by `fresh` slots for the rest
+        of its known sequence."""
+        capacity = len(req.prompt_ids) + req.params.max_tokens
+        req.seq_slots = torch.empty(capacity, dtype=torch.int64)
+        req.seq_slots[: match.length] = match.slots
+        req.seq_slots[match.length: req.seq_len] = fresh
+        req.prefix_len = req.owned_from = match.length
+        req.prefix_node = match.node
+        req.num_slotted = req.seq_len
+
+    def grow(self, req: Req) -> bool:
+        """Give `req` a slot for its newest token (decode); False if the pool is exhausted."""
+        if req.num_slotted >= req.seq_len:
+            return True
+        slots = self.alloc(req.seq_len - req.num_slotted)
+        if slots is None:
+            return False
+        req.seq_slots[req.num_slotted: req.seq_len] = slots
+        req.num_slotted = req.seq_len
+        return True
+
+    # ----- release ----------------------------------------------------------------------
+    def release(self, req: Req, cache: bool, exact_len: int | None = None) -> torch.Tensor:
+        """Take back `req`'s slots (see the module diagram).
+
+        With `cache`, the exact K/V (offsets < exact_len, default all computed ones) is inserted
+        into the radix tree. Returns the slots of the approximate part [exact_len, kv_len), which
+        the caller now owns (an SCR session keeps them; otherwise free them). Idempotent per
+        request: clears `seq_slots` and the lock.
+        """
+        kv_len = self.computed_len(req)
+        own = req.seq_slots[req.owned_from: req.num_slotted]
+        leftover = torch.empty(0, dtype=torch.int64)
+        if cache and self.prefix_cache and kv_len > 0:
+            exact_len = kv_len if exact_len is None else min(exact_len, kv_len)
+            ids = req.seq_ids[:exact_len]
+            n_present = self.radix.insert(ids, req.seq_slots[:exact_len], req.namespace)
+            dup_end = max(n_present, req.owned_from)
+            self.allocator.free(req.seq_slots[req.owned_from: dup_end])
+            leftover = req.seq_slots[max(exact_len, req.owned_from): kv_len].clone()
+            self.allocator.free(req.seq_slots[kv_len: req.num_slotted])
+        else:
+            self.allocator.free(own)
+        if req.prefix_node is not None:
+            self.radix.unlock(req.prefix_node)
+        req.seq_slots, req.prefix_node, req.num_slotted, req.pending = None, None, 0, []
+        return leftover
+
+    @staticmethod
+    def computed_len(req: Req) -> int:
+        """Number of leading offsets whose K/V is valid (stops at the first pending offset)."""
+        if req.seq_slots is None:
+            return 0
+        return req.pending[0] if req.pending else req.num_slotted
+
+    # ----- bookkeeping ------------------------------------------------------------------
+    def held_by(self, reqs: list[Req]) -> int:
+        """Slots owned by these requests (not by the tree)."""
+        return sum(r.num_slotted - r.owned_from for r in reqs if r.seq_slots is not None)
+
+    def check_integrity(self, running: list[Req], private: int = 0) -> None:
+        """free + cached + in-use (requests + SCR private) == total; raises AssertionError."""
+        in_use = self.held_by(running) + private
+        self.allocator.check_integrity(cached=self.radix.cached_size(), in_use=in_use)

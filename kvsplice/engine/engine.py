@@ -1,0 +1,241 @@
+"""Engine: the step loop. add_request -> step() (schedule, run, postprocess) -> RequestOutputs.
+
+Not thread-safe: one thread drives it (`kvsplice.engine.async_engine` for the server, the
+caller's own thread for `LLM.generate`).
+
+    add_request ─> Scheduler.waiting ─admit (prefix match | SCR plan + relocate)─> running
+        step: Scheduler.schedule ─> ModelRunner.run (one forward) ─> _postprocess
+              ─> sample, detokenize, stop checks ─> RequestOutput deltas
+        finish: CacheManager.release (exact part into the radix tree) ─> session update
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.config import EngineConfig
+from kvsplice.engine.cache_manager import CacheManager
+from kvsplice.engine.detokenizer import IncrementalDetokenizer
+from kvsplice.engine.request import Req, ReqStatus, RequestOutput
+from kvsplice.engine.reuse_manager import ReuseManager
+from kvsplice.engine.runner import ChunkResult, ModelRunner
+from kvsplice.engine.scheduler import Chunk, Scheduler
+from kvsplice.layers.sampler import make_generator
+from kvsplice.models.config import ModelConfig
+from kvsplice.sampling_params import SamplingParams
+from kvsplice.tokenizer import Tokenizer
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`; retry later (HTTP 503)."""
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counters since start (exported at /metrics)."""
+
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_tokens: int = 0
+    relocated_tokens: int = 0
+    prefilled_tokens: int = 0
+    relocated_spans: int = 0
+    preemptions: int = 0
+    forward_steps: int = 0
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
+                 config: EngineConfig, name: str = "model"):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.name = name
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        pool = KVPool(config.num_slots, model_config.num_layers, model_config.num_kv_heads,
+                      model_config.head_dim, dtype=next(model.parameters()).dtype, device=config.device)
+        self.cache = CacheManager(pool, config.prefix_cache)
+        self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary)
+        self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
+        self.runner = ModelRunner(model, pool)
+        self.counters = EngineCounters()
+        self._reqs: dict[str, Req] = {}
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[Req] = []
+        self._rid_counter = itertools.count()
+
+    # ----- requests in ------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                    cache_salt: str | None = None, session_id: str | None = None,
+                    scr: str | dict | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError for input that can never be served
+        (empty prompt, unknown token ids, too long for the context or the pool) and
+        QueueFullError when the queue is full."""
+        rid = rid or f"req-{next(self._rid_counter)}"
+        self._validate(rid, prompt_ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        req = Req(rid, list(prompt_ids), params, namespace=cache_salt, session_id=session_id,
+                  arrival_s=time.perf_counter(), generator=make_generator(params.seed))
+        req.scr = self.reuse.request_config(scr, cache_salt)
+        self._reqs[rid] = req
+        self._detoks[rid] = IncrementalDetokenizer(
+            lambda ids, skip=params.skip_special_tokens: self.tokenizer.decode(ids, skip_special_tokens=skip),
+            params.stop, context_ids=prompt_ids[-5:])
+        self.scheduler.add(req)
+        return rid
+
+    def _validate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if rid in self._reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = min(self.max_model_len, self.config.num_slots)
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the context limit of {limit} tokens")
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request wherever it is; its slots are freed and a final output with
+        finish_reason 'abort' comes out of the next `step()`. False if the id is unknown."""
+        req = self._reqs.get(rid)
+        if req is None or req.status is ReqStatus.FINISHED:
+            return False
+        self._finish(req, "abort")
+        self._aborted.append(req)
+        return True
+
+    # ----- the step ---------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and return the outputs it produced."""
+        outputs = [self._output(r, (), "", ()) for r in self._aborted]
+        self._aborted.clear()
+        chunks = self.scheduler.schedule()
+        if chunks:
+            results = self.runner.run(chunks)
+            self.counters.forward_steps += 1
+            outputs += [o for c, r in zip(chunks, results) if (o := self._postprocess(c, r))]
+        if not self.scheduler.has_work():
+            self.check_integrity()
+        return outputs
+
+    def _postprocess(self, chunk: Chunk, result: ChunkResult) -> RequestOutput | None:
+        req = chunk.req
+        if req.prompt_logprobs is not None:
+            for offset, lp in result.prompt_logprobs.items():
+                req.prompt_logprobs[offset + 1] = lp
+        req.pending = req.pending[len(chunk.offsets):]
+        if result.token_id is None:
+            return None
+        if req.first_token_s is None:
+            req.first_token_s = time.perf_counter()
+        token = result.token_id
+        req.output_ids.append(token)
+        detok = self._detoks[req.rid]
+        # a stopping token (eos, stop_token_ids) is counted but never shown, as in vLLM
+        text = "" if self._stops_on_token(req, token) else detok.add(token)
+        reason = self._stop_reason(req, token)
+        if reason is None:
+            req.pending = [req.seq_len - 1]
+        else:
+            text += detok.flush()
+            self._finish(req, reason)
+        lps = (result.logprob,) if req.params.logprobs is not None else ()
+        return self._output(req, (token,), text, lps)
+
+    def _stops_on_token(self, req: Req, token: int) -> bool:
+        params = req.params
+        return (not params.ignore_eos and token in self.tokenizer.eos_token_ids) or token in params.stop_token_ids
+
+    def _stop_reason(self, req: Req, token: int) -> str | None:
+        params = req.params
+        if self._stops_on_token(req, token) or self._detoks[req.rid].stopped:
+            return "stop"
+        if len(req.output_ids) >= params.max_tokens or req.seq_len >= self.max_model_len:
+            return "length"
+        return None
+
+    # ----- admission, preemption, finish ------------------------------------------------
+    def _admit(self, req: Req) -> bool:
+        if req.wants_prompt_logprobs and req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
+        first_time = req.num_preemptions == 0
+        if not self.reuse.admit(req, update_stats=first_time):
+            return False
+        if first_time:
+            self._count_admission(req)
+        return True
+
+    def _count_admission(self, req: Req) -> None:
+        c, stats = self.counters, req.reuse
+        c.prompt_tokens += len(req.prompt_ids)
+        c.prefix_tokens += stats.prefix_tokens
+        c.relocated_tokens += stats.relocated_tokens
+        c.prefilled_tokens += stats.prefilled_tokens
+        c.relocated_spans += stats.relocated_spans
+
+    def _preempt(self, req: Req) -> None:
+        self.reuse.preempt(req)
+        self.counters.preemptions += 1
+
+    def _finish(self, req: Req, reason: str) -> None:
+        req.finish_reason = reason
+        if req.seq_slots is not None:
+            self.reuse.finish(req, cache=reason != "abort")
+        else:
+            self.reuse.forget(req)
+        self.scheduler.remove(req)
+        req.status = ReqStatus.FINISHED
+        self.counters.generation_tokens += len(req.output_ids)
+        if reason == "abort":
+            self.counters.requests_aborted += 1
+        else:
+            self.counters.requests_finished += 1
+
+    def _output(self, req: Req, tokens: tuple[int, ...], text: str, lps: tuple) -> RequestOutput:
+        finished = req.status is ReqStatus.FINISHED
+        first = len(req.output_ids) == len(tokens) and bool(tokens)
+        prompt_lps = tuple(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None
+        ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
+        out = RequestOutput(req.rid, tokens, text, lps, finished, req.finish_reason,
+                            len(req.prompt_ids), len(req.output_ids), req.reuse, prompt_lps, ttft)
+        if finished:
+            self._reqs.pop(req.rid, None)
+            self._detoks.pop(req.rid, None)
+        return out
+
+    # ----- inspection -------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Pool conservation over requests, the radix tree and SCR sessions (AssertionError)."""
+        self.cache.check_integrity(self.scheduler.running, private=self.reuse.private_slots())
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def slots_in_use(self) -> int:
+        """Slots held by requests and sessions (not free, not reclaimable cache)."""
+        return self.cache.held_by(self.scheduler.running) + self.reuse.private_slots()
+
+    def flush_cache(self) -> None:
+        """Drop every unlocked radix entry and idle session (SGLang's /flush_cache)."""
+        self.reuse.drop_idle_sessions()
+        self.cache.radix.reset()

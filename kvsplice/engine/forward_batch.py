@@ -1,0 +1,61 @@
+"""ForwardBatch: everything the model needs to know about one forward pass, and nothing of policy.
+
+The model does not know about the radix tree, sessions or relocation. It receives, per token,
+its id, its RoPE position and the slot its K/V is written to; and per request, the slots that
+hold its context and the position of each. A query at position p attends to every context slot
+whose position is <= p (a position mask, not an order mask): this is what lets Suffix Cache Reuse
+compute B', span tails and appended text in one pass next to relocated K/V.
+
+    flat token rows:   [ req0 q0 q1 q2 | req1 q0 | req2 q0 q1 ]   (input_ids, positions, out_slots)
+    req0.context:      slots of everything req0 may attend to, including q0..q2's own out_slots
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One request's share of a forward pass.
+
+    `query_start`/`query_len` select its rows of the flat token tensors. `context_slots` lists
+    every KV slot it attends to (cached, relocated, and the ones written in this very forward),
+    `context_pos` the RoPE position of each; both int64 tensors of the same length.
+    """
+
+    query_start: int
+    query_len: int
+    context_slots: torch.Tensor
+    context_pos: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """A flat batch of tokens from one or more requests (prefill chunks and decode steps mixed).
+
+    `logit_rows` are the flat row offsets whose next-token logits the caller wants (usually the
+    last row of each request; every row for prompt logprobs).
+    """
+
+    input_ids: torch.Tensor    # [T] int64
+    positions: torch.Tensor    # [T] int64, RoPE position of each token
+    out_slots: torch.Tensor    # [T] int64, slot where each token's K/V is written
+    seqs: tuple[SeqSlice, ...]
+    logit_rows: torch.Tensor   # [R] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @staticmethod
+    def single(input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
+               context_slots: torch.Tensor, context_pos: torch.Tensor,
+               all_logits: bool = False) -> "ForwardBatch":
+        """A batch of one request; logits for its last row, or for every row with `all_logits`."""
+        n = int(input_ids.numel())
+        rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
+        seq = SeqSlice(0, n, context_slots, context_pos)
+        return ForwardBatch(input_ids, positions, out_slots, (seq,), rows)

@@ -1,0 +1,112 @@
+"""The offline Python API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `stream`.
+
+    from kvsplice import LLM, SamplingParams
+    llm = LLM()                                    # the default model, SmolLM2-135M-Instruct
+    [out] = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
+    print(out.text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvsplice.config import EngineConfig
+from kvsplice.engine.engine import Engine
+from kvsplice.engine.request import RequestOutput
+from kvsplice.layers.sampler import TokenLogprob
+from kvsplice.models.config import ModelConfig
+from kvsplice.models.decoder import Decoder
+from kvsplice.models.default_model import resolve_model
+from kvsplice.models.loader import load_checkpoint, resolve_dtype
+from kvsplice.reuse.accounting import ReuseStats
+from kvsplice.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request, as `LLM.generate` returns it."""
+
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    reuse: ReuseStats
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load `config.model` (a local HF dir, a GGUF file, a llama2.c .bin, a hub id, or None for
+    the default model) and build an Engine around it."""
+    path = resolve_model(config.model)
+    dtype = resolve_dtype(config.dtype)
+    ckpt = load_checkpoint(path, dtype=dtype)
+    model_config = ModelConfig.from_hf_config(ckpt.hf_config)
+    model = Decoder.from_config(model_config, dtype=dtype)
+    model.load_hf_state_dict(ckpt.state_dict)
+    model.to(config.device).eval()
+    return Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name)
+
+
+class LLM:
+    """A blocking front door to the engine (one caller thread)."""
+
+    def __init__(self, model: str | None = None, engine: Engine | None = None, **engine_kwargs):
+        self.engine = engine or build_engine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 **request_kwargs) -> list[GenerationResult]:
+        """Run every prompt (text or token ids) to completion, batched; results in input order.
+        `request_kwargs` (cache_salt, session_id, scr) apply to every prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        prompt_ids = [self._encode(p) for p in prompts]
+        rids = [self.engine.add_request(ids, sp, **request_kwargs)
+                for ids, sp in zip(prompt_ids, params_list)]
+        collected = {rid: [] for rid in rids}
+        while any(not outs or not outs[-1].finished for outs in collected.values()):
+            for out in self.engine.step():
+                collected[out.rid].append(out)
+        return [self._merge(rid, ids, collected[rid]) for rid, ids in zip(rids, prompt_ids)]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               **request_kwargs) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput delta per generated token; the last has finished=True.
+        Closing the iterator early aborts the request."""
+        rid = self.engine.add_request(self._encode(prompt), params or SamplingParams(), **request_kwargs)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.rid == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+                self.engine.step()
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None,
+             **request_kwargs) -> GenerationResult:
+        """Apply the model's chat template and generate the assistant's reply."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([ids], params, **request_kwargs)[0]
+
+    @staticmethod
+    def _merge(rid: str, prompt_ids: list[int], outs: list[RequestOutput]) -> GenerationResult:
+        last = outs[-1]
+        token_ids = [t for o in outs for t in o.new_token_ids]
+        return GenerationResult(rid, prompt_ids, token_ids, "".join(o.new_text for o in outs),
+                                last.finish_reason, [lp for o in outs for lp in o.logprobs],
+                                next((list(o.prompt_logprobs) for o in outs if o.prompt_logprobs), None),
+                                last.reuse)

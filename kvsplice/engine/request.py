@@ -1,0 +1,97 @@
+"""Req: one generation request inside the engine, and RequestOutput: what the engine emits.
+
+A request's sequence is `prompt_ids + output_ids`. Offsets into it double as RoPE positions
+(a relocated span's keys are re-rotated to their new offsets, so this stays true under SCR).
+`seq_slots[offset]` is the KV slot of each token that has (or will get) K/V.
+
+Length algebra on one axis (offsets into the sequence):
+
+    0            prefix_len                                  prompt_len        kv_len..
+    [ radix hit  | relocated spans and to-compute offsets    ][ decode ............ ]
+                   `pending` = the offsets still to compute, increasing
+
+The last sampled token never has K/V (it has not been fed yet), so kv_len == len(seq) - 1 once
+decoding has started.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsplice.layers.sampler import TokenLogprob
+from kvsplice.reuse.accounting import ReuseStats
+from kvsplice.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step's news about a request (a delta; the final one has `finished=True`).
+
+    `prompt_logprobs` comes on the first output only (one entry per prompt token; the first is
+    None because nothing predicts token 0). `reuse` says where the prompt's K/V came from.
+    """
+
+    rid: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    logprobs: tuple[TokenLogprob, ...]
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | "abort" | None
+    prompt_tokens: int
+    completion_tokens: int
+    reuse: ReuseStats
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    ttft_s: float | None = None
+
+
+@dataclass
+class Req:
+    """Mutable engine-side state of one request (owned by the scheduler)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str | None = None
+    session_id: str | None = None
+    arrival_s: float = 0.0
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    seq_slots: torch.Tensor | None = None          # int64 [capacity] once admitted
+    pending: list[int] = field(default_factory=list)  # offsets still to compute, increasing
+    prefix_len: int = 0
+    prefix_node: object | None = None              # radix node locked by this request
+    owned_from: int = 0                            # seq_slots[owned_from:num_slotted] are its own
+    num_slotted: int = 0                           # offsets [0, num_slotted) have a slot
+    generator: torch.Generator | None = None
+    reuse: ReuseStats = field(default_factory=lambda: ReuseStats(0, 0, 0, 0, "off"))
+    scr: object | None = None                      # per-request SCR state (kvsplice.reuse), if any
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    first_token_s: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """True when the only offset left to compute is the last sampled token."""
+        return bool(self.output_ids) and len(self.pending) == 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None

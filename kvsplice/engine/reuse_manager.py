@@ -1,0 +1,244 @@
+"""ReuseManager: where a request's prompt K/V comes from, and what is kept when it finishes.
+
+Plain prefix caching: the radix tree serves the longest exact prefix A; the rest is prefilled.
+Suffix Cache Reuse (SCR), for requests whose reuse config enables it:
+
+    previous sequence  [ A ][ B  ][ C1 ][ x ][ C2 ][ old completion ]      (session.token_ids)
+    new prompt         [ A ][ B' ][ C1 ][ C2 ][ D ]
+                         |          |     |
+                       radix     relocated spans (copied from the session's slots, keys
+                       (exact)   re-rotated by delta), minus each span's last `tail` tokens
+    computed in one forward: B', span tails, unchosen spans, D
+
+A session keeps its previous sequence's K/V without a second copy: the exact part
+[0, exact_len) stays in the radix tree under a lock the session holds; the approximate part
+[exact_len, kv_len) (relocated, or computed after a relocated entry) lives in slots private to
+the session and never enters the tree. On finish only the exact part of the new sequence is
+inserted into the tree; the session then swaps its old K/V for the new.
+
+Any failure (no session, no plan, no slots after eviction) falls back to plain prefix caching,
+with the reason recorded in the request's ReuseStats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsplice.engine.cache_manager import CacheManager
+from kvsplice.engine.request import Req
+from kvsplice.models.config import ModelConfig
+from kvsplice.reuse.accounting import ReuseStats, SessionKind
+from kvsplice.reuse.config import ReuseConfig, parse_request_override
+from kvsplice.reuse.diff import diff_tokens
+from kvsplice.reuse.plan import PlanResult, SpanPlan, make_plan, prefill_breakdown
+from kvsplice.reuse.relocate import relocate
+from kvsplice.reuse.session import Session, SessionStore
+
+
+@dataclass
+class SessionKV:
+    """The pool resources behind a session's previous sequence: `exact_slots` on a radix path
+    locked by the session (`exact_node`), then `private_slots` it owns outright."""
+
+    exact_node: object
+    exact_slots: torch.Tensor
+    private_slots: torch.Tensor
+
+    def slots(self) -> torch.Tensor:
+        return torch.cat([self.exact_slots, self.private_slots])
+
+
+@dataclass
+class ScrRequest:
+    """Per-request SCR state: its settings, its session once matched, the plan it runs."""
+
+    cfg: ReuseConfig
+    session: Session | None = None
+    kind: SessionKind = "new"
+    plan: SpanPlan | None = None
+    fallback: str | None = None
+    diff_stats: dict = field(default_factory=dict)
+
+
+class ReuseManager:
+    def __init__(self, cache: CacheManager, model_config: ModelConfig, config: ReuseConfig,
+                 rotary=None):
+        self.cache = cache
+        self.model_config = model_config
+        self.config = config
+        self.rotary = rotary
+        self.sessions = SessionStore(config)
+        self.fallbacks: dict[str, int] = {}
+        self.sessions_evicted_for_memory = 0
+
+    def request_config(self, scr: str | dict | None, cache_salt: str | None) -> ScrRequest | None:
+        """The request's SCR state, or None when SCR is off for it (globally, by its `scr`
+        field, by a "kvreuse:off" salt, or because the prefix cache is off). Raises ValueError
+        for a malformed `scr` field."""
+        cfg = parse_request_override(scr, cache_salt, self.config)
+        if not cfg.enabled or not self.cache.prefix_cache:
+            return None
+        return ScrRequest(cfg)
+
+    # ----- admission --------------------------------------------------------------------
+    def admit(self, req: Req, update_stats: bool) -> bool:
+        """Give `req` its slots (SCR plan + relocation when possible, else prefix caching);
+        with `update_stats`, record where its prompt came from. False: no slots now (the request
+        keeps waiting; nothing changed except session bookkeeping)."""
+        scr = req.scr
+        if scr is None or req.wants_prompt_logprobs:
+            return self._admit_plain(req, update_stats, "off", PlanResult(None, None, None))
+        if scr.session is None:
+            self._attach_session(req, scr)
+        session = scr.session
+        if session.payload is None:
+            return self._admit_plain(req, update_stats, scr.kind, PlanResult(None, "new_session", None))
+        return self._admit_scr(req, scr, session, update_stats)
+
+    def _attach_session(self, req: Req, scr: ScrRequest) -> None:
+        found = self.sessions.match(req.prompt_ids, req.namespace, req.session_id)
+        if found.session is not None:
+            scr.session, scr.kind = found.session, "matched"
+        else:
+            scr.session = self._get_or_create(req)
+            scr.kind = "new" if scr.session.payload is None else "matched"
+        self.sessions.begin(scr.session)   # in flight: never evicted from here on
+        self._free_sessions(self.sessions.evict_over_limits())
+
+    def _get_or_create(self, req: Req) -> Session:
+        if req.session_id is not None:
+            for session in self.sessions.sessions():
+                if session.session_id == req.session_id and session.namespace == req.namespace:
+                    return session
+        return self.sessions.create(req.namespace, req.session_id)
+
+    def _admit_plain(self, req: Req, update_stats: bool, kind: SessionKind,
+                     why: PlanResult) -> bool:
+        if not self._with_room(lambda: self.cache.admit(req)):
+            return False
+        if update_stats:
+            prompt_len = len(req.prompt_ids)
+            changed = prompt_len - req.prefix_len
+            req.reuse = ReuseStats(req.prefix_len, 0, changed, 0, kind, fallback=why.reason,
+                                   changed=changed)
+            if why.breakdown is not None:
+                req.reuse = ReuseStats.from_plan_result(why, prompt_len=prompt_len,
+                                                        prefix_len=req.prefix_len, session=kind)
+        return True
+
+    def _admit_scr(self, req: Req, scr: ScrRequest, session: Session, update_stats: bool) -> bool:
+        old_ids, kv = session.token_ids, session.payload
+        match = self.cache.match(req)
+        runs = diff_tokens(old_ids, req.prompt_ids, fastdiff_min=scr.cfg.fastdiff_min,
+                           cdc_target=scr.cfg.cdc_target)
+        result = make_plan(old_ids, req.prompt_ids, runs, prefix_len=match.length,
+                           old_kv_len=len(old_ids), cfg=scr.cfg)
+        if result.plan is None:
+            return self._admit_plain(req, update_stats, "matched", result)
+        result.plan.validate(old_ids, req.prompt_ids, len(old_ids))
+        self.cache.radix.lock(match.node)
+        fresh = self._with_room(lambda: self.cache.alloc(len(req.prompt_ids) - match.length))
+        if fresh is None:
+            self.cache.radix.unlock(match.node)
+            self._count_fallback("alloc_failed")
+            plain = prefill_breakdown(old_ids, req.prompt_ids, runs, prefix_len=match.length,
+                                      keeps=(), tail=scr.cfg.tail)
+            return self._admit_plain(req, update_stats, "matched", PlanResult(None, "alloc_failed", plain))
+        self.cache.install(req, match, fresh)
+        self._relocate(req, result.plan, kv.slots(), scr.cfg)
+        req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
+        scr.plan = result.plan
+        if update_stats:
+            req.reuse = ReuseStats.from_plan_result(result, prompt_len=len(req.prompt_ids),
+                                                    prefix_len=match.length, session="matched")
+        return True
+
+    def _relocate(self, req: Req, plan: SpanPlan, old_slots: torch.Tensor, cfg: ReuseConfig) -> None:
+        rotary = None if cfg.no_rerotate else self.rotary
+        for keep in plan.keeps:
+            relocate(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
+                     req.seq_slots[keep.dst_pos: keep.dst_end], keep.delta, rotary)
+
+    def _with_room(self, attempt):
+        """Run `attempt` (which allocates); when the pool is short, drop idle sessions one at a
+        time (least recently used first) and retry. Returns the last attempt's result."""
+        result = attempt()
+        while (result is None or result is False) and self._drop_one_idle_session():
+            result = attempt()
+        return result
+
+    # ----- the end of a request ---------------------------------------------------------
+    def preempt(self, req: Req) -> None:
+        """Free everything `req` holds; its session (if any) stays attached and in flight, so
+        re-admission plans again from the same previous sequence."""
+        self.cache.release(req, cache=False)
+
+    def finish(self, req: Req, cache: bool) -> None:
+        """Return `req`'s slots; with `cache`, its exact K/V enters the radix tree and its SCR
+        session (if any) takes over the new sequence's K/V."""
+        scr = req.scr
+        if scr is None or scr.session is None or not cache:
+            self.cache.allocator.free(self.cache.release(req, cache=cache))
+            self.forget(req)
+            return
+        kv_len = self.cache.computed_len(req)
+        ids = req.seq_ids[:kv_len]
+        exact_len = scr.plan.exact_len if scr.plan is not None else kv_len
+        private = self.cache.release(req, cache=True, exact_len=exact_len)
+        self._replace_session_kv(scr.session, ids, min(exact_len, kv_len), private)
+        self.forget(req)
+
+    def _replace_session_kv(self, session: Session, ids: list[int], exact_len: int,
+                            private: torch.Tensor) -> None:
+        self._free_payload(session)
+        match = self.cache.radix.match_prefix(ids[:exact_len], session.namespace)
+        if match.length != exact_len:  # cannot happen right after insert; never keep a gap
+            raise RuntimeError(f"session exact part not cached: {match.length} != {exact_len}")
+        self.cache.radix.lock(match.node)
+        session.payload = SessionKV(match.node, match.slots, private)
+        self.sessions.update(session, ids, private_tokens=int(private.numel()))
+
+    def forget(self, req: Req) -> None:
+        """`req` is gone: end its session's in-flight mark and enforce the session limits."""
+        scr = req.scr
+        if scr is not None and scr.session is not None:
+            self.sessions.end(scr.session)
+            scr.session = None
+            self._free_sessions(self.sessions.evict_over_limits())
+
+    # ----- sessions' resources ----------------------------------------------------------
+    def _free_payload(self, session: Session) -> None:
+        kv = session.payload
+        if kv is not None:
+            self.cache.radix.unlock(kv.exact_node)
+            self.cache.allocator.free(kv.private_slots)
+            session.payload = None
+
+    def _free_sessions(self, sessions: list[Session]) -> None:
+        for session in sessions:
+            self._free_payload(session)
+
+    def _drop_one_idle_session(self) -> bool:
+        idle = [s for s in self.sessions.sessions() if s.inflight == 0 and s.payload is not None]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: s.last_used)
+        self.sessions.remove(victim)
+        self._free_payload(victim)
+        self.sessions_evicted_for_memory += 1
+        return True
+
+    def _count_fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def private_slots(self) -> int:
+        """Slots held privately by SCR sessions."""
+        return sum(int(s.payload.private_slots.numel()) for s in self.sessions.sessions()
+                   if s.payload is not None)
+
+    def drop_idle_sessions(self) -> None:
+        """Release every session without a request in flight."""
+        while self._drop_one_idle_session():
+            pass

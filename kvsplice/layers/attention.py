@@ -1,0 +1,70 @@
+"""Paged, position-masked attention over the token-granular KV pool: the pure-torch reference path.
+
+A query at position p attends to every context slot whose position is <= p (and, for a sliding
+window layer of width w, > p - w, as transformers' `sliding_window_overlay`). The mask is built
+from positions, never from the order of `context_slots`, so relocated K/V and freshly computed
+tokens may be listed in any order.
+
+    pool (one layer):   slot 0   1   2   3   4   5   6 ...
+    req.context_slots:  [5, 0, 3, 6]  with context_pos [2, 0, 1, 3]
+    query at pos 1  ->  attends to slots 0 (pos 0) and 3 (pos 1)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.engine.forward_batch import ForwardBatch
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, out_slots: torch.Tensor, pool: KVPool) -> None:
+    """Write `k`, `v [T, num_kv_heads, head_dim]` into `pool` layer `layer_id` at `out_slots [T]`
+    (cast to the pool's dtype). Side effect: overwrites those slots in place."""
+    pool.k_layer(layer_id).index_copy_(0, out_slots, k.to(pool.k.dtype))
+    pool.v_layer(layer_id).index_copy_(0, out_slots, v.to(pool.v.dtype))
+
+
+def position_mask(query_pos: torch.Tensor, context_pos: torch.Tensor,
+                  sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Boolean `[Q, C]`: True where query q may attend to context entry c."""
+    mask = context_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        mask &= context_pos[None, :] > query_pos[:, None] - sliding_window
+    return mask
+
+
+def _expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """`[C, Hkv, D]` -> `[C, Hq, D]`: each kv head serves Hq/Hkv consecutive q heads (GQA)."""
+    num_kv_heads = x.shape[1]
+    if num_kv_heads == num_q_heads:
+        return x
+    group = num_q_heads // num_kv_heads
+    return x[:, :, None, :].expand(-1, -1, group, -1).reshape(x.shape[0], num_q_heads, x.shape[2])
+
+
+def paged_attention(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool, scale: float,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Attention of `q [T, Hq, D]` (already rotated) over each request's context in `pool`.
+
+    Contract: the K/V of this forward's tokens are already in the pool (`store_kv` first), and each
+    request's `context_slots` include its own query tokens' slots (else a query row may have
+    nothing to attend to). Returns `[T, Hq, D]` in q.dtype. Reads the pool only.
+    """
+    out = torch.empty_like(q)
+    k_layer, v_layer = pool.k_layer(layer_id), pool.v_layer(layer_id)
+    for seq in batch.seqs:
+        rows = slice(seq.query_start, seq.query_start + seq.query_len)
+        mask = position_mask(batch.positions[rows], seq.context_pos, sliding_window)
+        k = _expand_kv_heads(k_layer[seq.context_slots].to(q.dtype), q.shape[1])
+        v = _expand_kv_heads(v_layer[seq.context_slots].to(q.dtype), q.shape[1])
+        # SDPA wants [batch, heads, rows, dim]: 4-D inputs let torch pick its fused CPU kernel
+        # (3-D ones fall back to the unfused math path, ~4x slower); the mask broadcasts over heads.
+        attended = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask[None, None], scale=scale)
+        out[rows] = attended[0].transpose(0, 1)
+    return out

@@ -1,0 +1,22 @@
+"""RMSNorm (Zhang & Sennrich 2019), computed in fp32 like transformers' LlamaRMSNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)); the normalisation runs in fp32 and is cast back to
+    x.dtype BEFORE the weight multiply, exactly as transformers does (so bf16 results match)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dim; any leading shape."""
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)

@@ -1,0 +1,176 @@
+"""Rotary position embeddings (RoPE) in the HF half-split ("rotate_half", NeoX) layout ONLY.
+
+Layout: of the first `rotary_dim` dims of a head, dim j pairs with dim j + rotary_dim/2 and both
+turn by angle pos * inv_freq[j]; dims past `rotary_dim` (partial rotary) pass through unchanged.
+The GPT-J interleaved layout (pairs 2j, 2j+1) is not implemented here; checkpoints in that layout
+must have their q/k weights permuted by the loader.
+
+Sources of each formula:
+- base RoPE: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding" (2021),
+  eq. 34: inv_freq[j] = theta^(-2j/d); half-split form as in transformers' `rotate_half`.
+- linear ("position interpolation"): Chen et al. 2023 / kaiokendev: inv_freq / factor.
+- llama3: Meta's llama3.1 reference (`apply_scaling` in llama-models), as transformers'
+  `_compute_llama3_parameters`: wavelengths beyond original_ctx/low_freq_factor are divided by
+  factor, those below original_ctx/high_freq_factor kept, the band in between blended smoothly.
+- yarn: Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models" (2023),
+  sec. 3.2 (NTK-by-parts ramp between interpolated and extrapolated inv_freq) and eq. 22
+  (attention temperature 0.1 ln(s) + 1, folded into cos/sin as `attention_scaling`), with the
+  DeepSeek mscale / mscale_all_dim variant, as transformers' `_compute_yarn_parameters`.
+
+Every formula is computed in fp32 exactly as transformers 5.x computes it, so our keys match its
+keys bit for bit up to matmul rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from kvsplice.models.config import RopeConfig
+
+
+def _base_inv_freq(rope: RopeConfig) -> torch.Tensor:
+    """RoFormer eq. 34: theta^(-2j/d) for j < d/2, d = rotary_dim, fp32."""
+    exponents = torch.arange(0, rope.rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rope.rotary_dim
+    return 1.0 / (rope.theta ** exponents)
+
+
+def _default(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    return _base_inv_freq(rope), 1.0
+
+
+def _linear(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    # Position interpolation: scaling positions by 1/factor == scaling inv_freq by 1/factor.
+    return _base_inv_freq(rope) / rope.factor, 1.0
+
+
+def _llama3(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    inv_freq = _base_inv_freq(rope)
+    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths (low frequencies) are interpolated, short ones kept as trained
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, inv_freq_llama), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    # YaRN eq. 22 (sqrt(1/t) = 0.1 ln(s) + 1), DeepSeek-V2's mscale generalisation
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_correction_range(rope: RopeConfig, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    """YaRN sec. 3.2: the dims that turn beta_fast / beta_slow times over the original context."""
+    dim, base, original = rope.rotary_dim, rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _yarn(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    factor = rope.factor
+    if factor is None:
+        factor = rope.max_position_embeddings / rope.original_max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    low, high = _yarn_correction_range(rope, rope.beta_fast or 32, rope.beta_slow or 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp, as transformers does
+    pos_freqs = rope.theta ** (torch.arange(0, rope.rotary_dim, 2).to(dtype=torch.float) / rope.rotary_dim)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(rope.rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (inv_freq_interpolation * (1 - extrapolation_factor)
+                + inv_freq_extrapolation * extrapolation_factor)
+    return inv_freq, float(attention_factor)
+
+
+_SCALINGS: dict[str, Callable[[RopeConfig], tuple[torch.Tensor, float]]] = {
+    "default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn,
+}
+
+
+def inv_freq_and_scale(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """fp32 inv_freq of length rotary_dim/2 and the attention_scaling that multiplies cos and sin
+    (1.0 except for yarn), for every scaling kind exactly as transformers 5.x computes them."""
+    if rope.kind not in _SCALINGS:
+        raise ValueError(f"unsupported rope scaling kind {rope.kind!r}")
+    return _SCALINGS[rope.kind](rope)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 attention_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[N, rotary_dim]` fp32 of angle positions[n] * inv_freq[j] (duplicated for the two
+    halves), each multiplied by `attention_scaling`. `positions` may be negative (a delta)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(device=positions.device, dtype=torch.float32)
+    emb = torch.cat((angles, angles), dim=-1)
+    if attention_scaling == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [N, heads, head_dim]` by per-row `cos`/`sin [N, rotary_dim]`.
+
+    Only the first rotary_dim dims turn (partial rotary); math in fp32; returns x.dtype. Pure.
+    """
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot = x[..., :rotary_dim].to(torch.float32)
+    rotated = x_rot * cos + _rotate_half(x_rot) * sin
+    if rotary_dim < x.shape[-1]:
+        rotated = torch.cat((rotated, x[..., rotary_dim:].to(torch.float32)), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def rerotate(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Turn stored (already rotated) keys `k [N, heads, head_dim]` by `delta [N]` int64 positions.
+
+    Rotations in the same planes compose: R(src_pos + delta) = R(delta) R(src_pos), so
+    rerotate(apply_rope(k, src_pos), delta) == apply_rope(k, src_pos + delta). cos/sin of
+    delta * inv_freq are computed directly in fp32 (delta may be negative; no table is indexed),
+    and attention_scaling is NOT applied again (YaRN's mscale is already in the stored key).
+    Returns k.dtype. Used by SCR relocation.
+    """
+    cos, sin = rope_cos_sin(delta, inv_freq, 1.0)
+    return apply_rope(k, cos, sin)
+
+
+class Rotary:
+    """A model's RoPE: inv_freq (fp32, on `device`) and attention_scaling, computed once."""
+
+    def __init__(self, rope: RopeConfig, device: str | torch.device = "cpu"):
+        inv_freq, self.attention_scaling = inv_freq_and_scale(rope)
+        self.inv_freq = inv_freq.to(device)
+        self.rotary_dim = rope.rotary_dim
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[N, rotary_dim]` fp32 for absolute positions (attention_scaling included)."""
+        return rope_cos_sin(positions, self.inv_freq, self.attention_scaling)
+
+    def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """`rerotate(k, delta, self.inv_freq)`."""
+        return rerotate(k, delta, self.inv_freq)

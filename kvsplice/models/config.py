@@ -1,0 +1,244 @@
+"""Model configuration: what the decoder needs to know, read from a transformers config.json dict.
+
+One table (`ARCH_FACTS`) holds what differs between the supported architectures; everything else
+is read the same way for all of them. RoPE parameters are read as transformers 5.x does
+(`modeling_rope_utils.RotaryEmbeddingConfigMixin.convert_rope_params_to_dict` and
+`standardize_rope_params`): a legacy `rope_scaling` dict wins over `rope_parameters`, and
+`rope_theta` / `partial_rotary_factor` found at the top level fill in what the dict lacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+RopeKind = Literal["default", "linear", "llama3", "yarn"]
+LayerType = Literal["full_attention", "sliding_attention"]
+SlidingRule = Literal["none", "every_layer", "qwen_window_layers"]
+
+_ROPE_KINDS: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+_DEFAULT_THETA = 10_000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters of one model (HF half-split layout).
+
+    `rotary_dim` = int(head_dim * partial_rotary_factor) dims of each head are rotated, the rest pass
+    through. The scaling fields are only meaningful for the kinds that use them:
+    linear: factor; llama3: factor, low/high_freq_factor, original_max_position_embeddings;
+    yarn: factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim,
+    attention_factor, truncate. None means "not given" (the formula's default applies).
+    """
+
+    theta: float
+    head_dim: int
+    rotary_dim: int
+    kind: RopeKind = "default"
+    factor: Optional[float] = None
+    low_freq_factor: Optional[float] = None
+    high_freq_factor: Optional[float] = None
+    original_max_position_embeddings: Optional[int] = None
+    beta_fast: Optional[float] = None
+    beta_slow: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
+    max_position_embeddings: Optional[int] = None  # yarn: factor = max / original when factor is None
+
+
+@dataclass(frozen=True)
+class ArchFacts:
+    """What one architecture fixes or defaults (the transformers config class defaults)."""
+
+    qkv_bias: Optional[bool]          # None: follow config `attention_bias`
+    o_bias_follows_config: bool       # o_proj has a bias iff `attention_bias` (llama, qwen3)
+    qk_norm: bool                     # per-head RMSNorm on q and k before RoPE (qwen3)
+    default_head_dim: Optional[int]   # None: hidden_size // num_heads
+    default_kv_heads: Optional[int]   # None: num_heads
+    default_max_pos: int
+    default_bos: Optional[int]
+    default_eos: Optional[int]
+    sliding: SlidingRule
+
+
+ARCH_FACTS: dict[str, ArchFacts] = {
+    "llama": ArchFacts(None, True, False, None, None, 2048, 1, 2, "none"),
+    "mistral": ArchFacts(False, False, False, None, 8, 4096 * 32, 1, 2, "every_layer"),
+    "qwen2": ArchFacts(True, False, False, None, 32, 32768, None, None, "qwen_window_layers"),
+    "qwen3": ArchFacts(None, True, True, 128, 32, 32768, None, None, "qwen_window_layers"),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and options of one decoder-only model (llama family).
+
+    `attention_bias` is the bias of q/k/v projections, `o_proj_bias` that of o_proj. `layer_types`
+    has one entry per layer; `sliding_window` (tokens, counting the query itself) applies to the
+    layers marked "sliding_attention".
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    bos_token_id: Optional[int]
+    eos_token_ids: tuple[int, ...]
+    rope: RopeConfig
+    sliding_window: Optional[int] = None
+    layer_types: tuple[LayerType, ...] = ()
+
+    def layer_window(self, layer_id: int) -> Optional[int]:
+        """The sliding window of layer `layer_id`, or None for full attention."""
+        if self.layer_types and self.layer_types[layer_id] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def num_params_non_embedding(self) -> int:
+        """Parameters outside embed_tokens and lm_head (per-token FLOPs ~ 2x this, plus attention;
+        the lm_head adds 2 * hidden_size * vocab_size per logit row)."""
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
+        attn += (q_out + 2 * kv_out) * self.attention_bias + self.hidden_size * self.o_proj_bias
+        attn += 2 * self.head_dim * self.qk_norm
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
+        norms = 2 * self.hidden_size
+        return self.num_layers * (attn + mlp + norms) + self.hidden_size
+
+    @staticmethod
+    def from_hf_config(d: dict[str, Any]) -> "ModelConfig":
+        """Build from a transformers config.json dict (llama, mistral, qwen2, qwen3).
+
+        Raises ValueError naming the problem for an unsupported model_type, rope type or
+        activation, or a missing required key. Does not modify `d`.
+        """
+        model_type = d.get("model_type")
+        facts = ARCH_FACTS.get(model_type)
+        if facts is None:
+            raise ValueError(f"unsupported model_type {model_type!r} (supported: {sorted(ARCH_FACTS)})")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
+        hidden, num_heads = _required(d, "hidden_size"), _required(d, "num_attention_heads")
+        num_layers = _required(d, "num_hidden_layers")
+        head_dim = d.get("head_dim") or facts.default_head_dim or hidden // num_heads
+        attention_bias = bool(d.get("attention_bias", False))
+        max_pos = d.get("max_position_embeddings") or facts.default_max_pos
+        sliding_window, layer_types = _sliding(d, facts, num_layers)
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=_required(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(d, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or facts.default_kv_heads or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias if facts.qkv_bias is None else facts.qkv_bias,
+            o_proj_bias=attention_bias and facts.o_bias_follows_config,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=facts.qk_norm,
+            max_position_embeddings=max_pos,
+            bos_token_id=d.get("bos_token_id", facts.default_bos),
+            eos_token_ids=_eos_tuple(d.get("eos_token_id", facts.default_eos)),
+            rope=rope_from_hf_config(d, head_dim, max_pos),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+        )
+
+
+def _required(d: dict[str, Any], key: str) -> Any:
+    if d.get(key) is None:
+        raise ValueError(f"config has no {key!r}")
+    return d[key]
+
+
+def _eos_tuple(eos: Any) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(token) for token in eos)
+
+
+def _sliding(d: dict[str, Any], facts: ArchFacts,
+             num_layers: int) -> tuple[Optional[int], tuple[LayerType, ...]]:
+    """Sliding window and per-layer attention types, as the transformers config classes set them."""
+    window = d.get("sliding_window")
+    if facts.sliding == "qwen_window_layers" and not d.get("use_sliding_window", False):
+        window = None
+    if facts.sliding == "none" or window is None:
+        return None, ("full_attention",) * num_layers
+    if facts.sliding == "every_layer":
+        return int(window), ("sliding_attention",) * num_layers
+    if d.get("layer_types"):
+        types = tuple(d["layer_types"])
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown or len(types) != num_layers:
+            raise ValueError(f"bad layer_types {types!r} for {num_layers} layers")
+        return int(window), types
+    first_sliding = d.get("max_window_layers", 28)
+    return int(window), tuple("sliding_attention" if layer_id >= first_sliding else "full_attention"
+                              for layer_id in range(num_layers))
+
+
+def rope_from_hf_config(d: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
+    """RopeConfig from a config.json dict, reading `rope_scaling` / `rope_parameters` /
+    `rope_theta` / `partial_rotary_factor` with transformers 5.x precedence. ValueError on an
+    unsupported rope type."""
+    params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    params.setdefault("rope_theta", d.get("rope_theta", _DEFAULT_THETA))
+    if d.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _ROPE_KINDS:
+        raise ValueError(f"unsupported rope type {kind!r} (supported: {list(_ROPE_KINDS)})")
+    if kind in ("llama3", "yarn"):
+        # transformers: a top-level original_max_position_embeddings (Phi3 style) wins
+        if d.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", max_pos)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if rotary_dim % 2 or rotary_dim <= 0:
+        raise ValueError(f"rotary_dim {rotary_dim} must be positive and even")
+    if kind in ("linear", "llama3") and params.get("factor") is None:
+        raise ValueError(f"rope type {kind!r} needs a 'factor'")
+    if kind == "llama3" and (params.get("low_freq_factor") is None or params.get("high_freq_factor") is None):
+        raise ValueError("rope type 'llama3' needs 'low_freq_factor' and 'high_freq_factor'")
+    return RopeConfig(
+        theta=float(params["rope_theta"]), head_dim=head_dim, rotary_dim=rotary_dim, kind=kind,
+        factor=_opt_float(params.get("factor")),
+        low_freq_factor=_opt_float(params.get("low_freq_factor")),
+        high_freq_factor=_opt_float(params.get("high_freq_factor")),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        beta_fast=_opt_float(params.get("beta_fast")), beta_slow=_opt_float(params.get("beta_slow")),
+        mscale=_opt_float(params.get("mscale")), mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
+        attention_factor=_opt_float(params.get("attention_factor")),
+        truncate=bool(params.get("truncate", True)), max_position_embeddings=max_pos,
+    )
+
+
+def _opt_float(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"rope parameter {value} is not finite")
+    return value

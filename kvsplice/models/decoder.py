@@ -1,0 +1,149 @@
+"""One config-driven decoder for the llama family (llama, mistral, qwen2, qwen3).
+
+Parameter names are the HF checkpoint names, so an HF state dict loads directly:
+
+    model.embed_tokens.weight
+    model.layers.{i}.input_layernorm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias where the config says)
+    model.layers.{i}.self_attn.{q,k}_norm.weight      (qwen3)
+    model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.norm.weight
+    lm_head.weight                                     (tied: the same Parameter as embed_tokens)
+
+The model knows nothing of cache policy: a ForwardBatch says where each token's K/V goes and which
+slots each request attends to. Keys are stored in the pool AFTER RoPE. All tokens of a forward go
+through each projection as one matmul (prefill and mixed batches alike).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.engine.forward_batch import ForwardBatch
+from kvsplice.layers.attention import paged_attention, store_kv
+from kvsplice.layers.mlp import SwiGLU
+from kvsplice.layers.norm import RMSNorm
+from kvsplice.layers.rotary import Rotary, apply_rope
+from kvsplice.models.config import ModelConfig
+
+
+class SelfAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm (qwen3), RoPE, paged attention, o_proj."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias, dtype=dtype)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.qk_norm = cfg.qk_norm
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.sliding_window: Optional[int] = cfg.layer_window(layer_id)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """`x [T, hidden]` -> `[T, hidden]`. Side effect: writes this layer's K/V at batch.out_slots."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        store_kv(k, v, self.layer_id, batch.out_slots, pool)
+        attended = paged_attention(q, self.layer_id, batch, pool, self.scale, self.sliding_window)
+        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = SelfAttention(cfg, layer_id, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """`x [T, hidden]` -> `[T, hidden]`."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """The HF `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layer_id, dtype) for layer_id in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+# Keys an HF checkpoint may carry that are not weights (old llama checkpoints saved inv_freq).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Decoder(nn.Module):
+    """A decoder-only LM built from a ModelConfig; see the module docstring for parameter names."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderBody(cfg, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.rope)
+
+    @staticmethod
+    def from_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> "Decoder":
+        """A randomly initialised Decoder in `dtype` (load weights with `load_hf_state_dict`)."""
+        return Decoder(cfg, dtype).eval()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy an HF state dict in (cast to this model's dtype). With tied embeddings `lm_head.weight`
+        may be absent. Raises ValueError listing missing or unexpected keys, or a shape mismatch."""
+        sd = {name: tensor for name, tensor in sd.items() if not name.endswith(_IGNORED_SUFFIXES)}
+        expected = set(self.state_dict())
+        optional = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        missing = sorted(expected - set(sd) - optional)
+        unexpected = sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise ValueError(f"state dict does not fit {self.cfg.model_type}: "
+                             f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+        if self.cfg.tie_word_embeddings:
+            # one Parameter behind both names: load the embedding only, never a stale lm_head copy
+            sd = {name: tensor for name, tensor in sd.items() if name != "lm_head.weight"}
+        try:
+            with torch.no_grad():
+                self.load_state_dict(sd, strict=False)
+        except RuntimeError as err:
+            raise ValueError(f"state dict does not fit {self.cfg.model_type}: {err}") from err
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run every token of `batch`; return fp32 logits `[len(batch.logit_rows), vocab]`.
+
+        Side effect: writes each layer's K (after RoPE) and V of every token at batch.out_slots.
+        """
+        hidden = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, batch, pool)
+        hidden = self.model.norm(hidden[batch.logit_rows])
+        return self.lm_head(hidden).float()

@@ -1,0 +1,250 @@
+"""Read llama2.c legacy (v0) checkpoints and `tokenizer.bin` files.
+
+A v0 `.bin` is a header of 7 int32 (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size,
+seq_len) followed by fp32 tensors in the order run.c's `memory_map_weights` reads them. A negative
+vocab_size means an untied classifier follows the stored RoPE tables.
+
+The llama2.c (Meta) RoPE rotates adjacent pairs (2i, 2i+1) of each head; transformers rotates
+(i, i + head_dim/2). We permute the q/k rows so the returned state dict gives the same logits in
+an HF-layout decoder.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvsplice.models.gguf_convert import interleaved_to_half_rows
+
+HEADER_FORMAT = "<7i"
+HEADER_BYTES = struct.calcsize(HEADER_FORMAT)
+# llama2.c v1/v2 exports start with this magic ("ak42"); only v0 (legacy) is supported here.
+VERSIONED_MAGIC = 0x616B3432
+BOS_ID = 1
+EOS_ID = 2
+# run.c: ids 3..258 are the byte-fallback pieces <0x00>..<0xFF>.
+BYTE_FALLBACK_OFFSET = 3
+
+
+@dataclass(frozen=True)
+class Llama2cHeader:
+    """The 7 int32 of a v0 checkpoint header; `shared_classifier` is `vocab_size > 0` in the file."""
+
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    seq_len: int
+    shared_classifier: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def read_header(raw: bytes) -> Llama2cHeader:
+    """Parse the v0 header; ValueError for versioned exports or nonsensical sizes."""
+    if len(raw) < HEADER_BYTES:
+        raise ValueError("llama2.c checkpoint is shorter than its 28-byte header")
+    if struct.unpack_from("<I", raw)[0] == VERSIONED_MAGIC:
+        raise ValueError("llama2.c versioned (v1/v2) checkpoints are not supported; export with --version 0")
+    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = struct.unpack_from(HEADER_FORMAT, raw)
+    fields = (dim, hidden_dim, n_layers, n_heads, n_kv_heads, abs(vocab_size), seq_len)
+    if min(fields) <= 0 or dim % n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"not a llama2.c v0 checkpoint: implausible header {fields}")
+    return Llama2cHeader(dim, hidden_dim, n_layers, n_heads, n_kv_heads, abs(vocab_size), seq_len, vocab_size > 0)
+
+
+def llama2c_hf_config(header: Llama2cHeader) -> dict:
+    """The transformers `LlamaConfig` dict equivalent to a llama2.c header (RoPE theta 10000, eps 1e-5)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": header.dim,
+        "intermediate_size": header.hidden_dim,
+        "num_hidden_layers": header.n_layers,
+        "num_attention_heads": header.n_heads,
+        "num_key_value_heads": header.n_kv_heads,
+        "head_dim": header.head_dim,
+        "vocab_size": header.vocab_size,
+        "max_position_embeddings": header.seq_len,
+        # run.c hard-codes both constants.
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": header.shared_classifier,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "torch_dtype": "float32",
+    }
+
+
+def _take(values: np.ndarray, cursor: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    count = int(np.prod(shape))
+    if cursor + count > values.size:
+        raise ValueError("llama2.c checkpoint is truncated: fewer weights than its header promises")
+    return torch.from_numpy(values[cursor : cursor + count].copy()).reshape(shape), cursor + count
+
+
+def load_llama2c(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a v0 `.bin` into (HF llama config dict, fp32 state dict in HF names and rotate_half layout).
+
+    Raises ValueError for unreadable, versioned, truncated or oversized files.
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"cannot read llama2.c checkpoint {path}: {error}") from error
+    header = read_header(raw)
+    values = np.frombuffer(raw, dtype="<f4", offset=HEADER_BYTES, count=(len(raw) - HEADER_BYTES) // 4)
+    h, layers = header, header.n_layers
+    q_rows, kv_rows = h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim
+    # Order and shapes from run.c memory_map_weights(); matrices are stored (out, in) row-major.
+    layout = [
+        ("embed", (h.vocab_size, h.dim)),
+        ("attn_norm", (layers, h.dim)),
+        ("wq", (layers, q_rows, h.dim)),
+        ("wk", (layers, kv_rows, h.dim)),
+        ("wv", (layers, kv_rows, h.dim)),
+        ("wo", (layers, h.dim, q_rows)),
+        ("ffn_norm", (layers, h.dim)),
+        ("w1", (layers, h.hidden_dim, h.dim)),
+        ("w2", (layers, h.dim, h.hidden_dim)),
+        ("w3", (layers, h.hidden_dim, h.dim)),
+        ("final_norm", (h.dim,)),
+        ("rope_tables", (2, h.seq_len * h.head_dim // 2)),
+    ]
+    if not h.shared_classifier:
+        layout.append(("classifier", (h.vocab_size, h.dim)))
+    parts, cursor = {}, 0
+    for part_name, shape in layout:
+        parts[part_name], cursor = _take(values, cursor, shape)
+    if cursor != values.size:
+        raise ValueError(f"llama2.c checkpoint has {values.size - cursor} unexpected trailing floats")
+    return llama2c_hf_config(header), _hf_state_dict(header, parts)
+
+
+def _hf_state_dict(header: Llama2cHeader, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {"model.embed_tokens.weight": parts["embed"], "model.norm.weight": parts["final_norm"]}
+    state["lm_head.weight"] = parts.get("classifier", parts["embed"]).clone()
+    for layer in range(header.n_layers):
+        prefix = f"model.layers.{layer}."
+        state[prefix + "input_layernorm.weight"] = parts["attn_norm"][layer]
+        state[prefix + "post_attention_layernorm.weight"] = parts["ffn_norm"][layer]
+        state[prefix + "self_attn.q_proj.weight"] = interleaved_to_half_rows(parts["wq"][layer], header.n_heads)
+        state[prefix + "self_attn.k_proj.weight"] = interleaved_to_half_rows(parts["wk"][layer], header.n_kv_heads)
+        state[prefix + "self_attn.v_proj.weight"] = parts["wv"][layer]
+        state[prefix + "self_attn.o_proj.weight"] = parts["wo"][layer]
+        state[prefix + "mlp.gate_proj.weight"] = parts["w1"][layer]
+        state[prefix + "mlp.down_proj.weight"] = parts["w2"][layer]
+        state[prefix + "mlp.up_proj.weight"] = parts["w3"][layer]
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+class Llama2cBPE:
+    """run.c's tokenizer: pieces with merge scores, greedy best-score merges, byte fallback.
+
+    `encode` follows run.c `encode()`: a dummy " " prefix for non-empty text, one token per UTF-8
+    code point (or its bytes as <0xXX> when the code point is not a piece), then repeatedly merge
+    the adjacent pair whose concatenation is a piece with the highest score.
+    """
+
+    def __init__(self, pieces: list[bytes], scores: list[float]):
+        if len(pieces) != len(scores) or len(pieces) <= BYTE_FALLBACK_OFFSET + 255:
+            raise ValueError("llama2.c tokenizer needs matching pieces/scores and 256 byte-fallback pieces")
+        self.pieces = pieces
+        self.scores = scores
+        self.piece_to_id = {piece: token_id for token_id, piece in enumerate(pieces)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of `text` exactly as run.c encodes it, optionally with BOS/EOS."""
+        ids = [self.piece_to_id[b" "]] if text else []
+        for char in text:
+            char_bytes = char.encode("utf-8")
+            if char_bytes in self.piece_to_id:
+                ids.append(self.piece_to_id[char_bytes])
+            else:
+                ids.extend(byte + BYTE_FALLBACK_OFFSET for byte in char_bytes)
+        ids = self._merge(ids)
+        return ([BOS_ID] if add_bos else []) + ids + ([EOS_ID] if add_eos else [])
+
+    def _merge(self, ids: list[int]) -> list[int]:
+        while True:
+            best_score, best_offset, best_id = None, None, None
+            for offset in range(len(ids) - 1):
+                merged_id = self.piece_to_id.get(self.pieces[ids[offset]] + self.pieces[ids[offset + 1]])
+                if merged_id is not None and (best_score is None or self.scores[merged_id] > best_score):
+                    best_score, best_offset, best_id = self.scores[merged_id], offset, merged_id
+            if best_offset is None:
+                return ids
+            ids[best_offset : best_offset + 2] = [best_id]
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: the raw byte for <0xXX> pieces, else the piece itself."""
+        if BYTE_FALLBACK_OFFSET <= token_id < BYTE_FALLBACK_OFFSET + 256:
+            return bytes([token_id - BYTE_FALLBACK_OFFSET])
+        return self.pieces[token_id]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; drops the dummy-prefix space of the first piece like sentencepiece does."""
+        special = {0, BOS_ID, EOS_ID}
+        kept = [token_id for token_id in ids if not (skip_special_tokens and token_id in special)]
+        for token_id in kept:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        data = b"".join(self.piece_bytes(token_id) for token_id in kept)
+        if kept and kept[0] not in special and data.startswith(b" "):
+            data = data[1:]
+        return data.decode("utf-8", errors="replace")
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text with its leading space kept (what a logprobs listing should show)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        return self.piece_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def read_llama2c_tokenizer(path: str | Path, vocab_size: int) -> Llama2cBPE:
+    """Read run.c's `tokenizer.bin`: int32 max_token_length, then per token float32 score, int32 len, bytes."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"cannot read llama2.c tokenizer {path}: {error}") from error
+    cursor = 4
+    pieces, scores = [], []
+    try:
+        for _ in range(vocab_size):
+            score, length = struct.unpack_from("<fi", raw, cursor)
+            cursor += 8
+            if length < 0 or cursor + length > len(raw):
+                raise ValueError(f"{path}: corrupt piece length {length}")
+            pieces.append(raw[cursor : cursor + length])
+            scores.append(score)
+            cursor += length
+    except struct.error as error:
+        raise ValueError(f"{path}: llama2.c tokenizer is truncated ({len(pieces)} of {vocab_size} pieces)") from error
+    return Llama2cBPE(pieces, scores)
+
+
+def find_llama2c_tokenizer(checkpoint_path: str | Path) -> Path | None:
+    """The `tokenizer.bin` or `tok*.bin` beside a checkpoint (not the checkpoint itself), or None."""
+    checkpoint_path = Path(checkpoint_path)
+    folder = checkpoint_path.parent
+    candidates = [folder / "tokenizer.bin"] + sorted(folder.glob("tok*.bin"))
+    for candidate in candidates:
+        if candidate.is_file() and candidate.resolve() != checkpoint_path.resolve():
+            return candidate
+    return None

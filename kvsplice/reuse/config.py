@@ -1,0 +1,238 @@
+"""Settings of Suffix Cache Reuse (SCR): one frozen dataclass and one typed table of env variables.
+
+The defaults follow the SCR overlay's `config.DEFAULTS` (see shared/reference/scr-reference-notes.md
+§1); each `ENV_TABLE` entry names the overlay's `KVREUSE_*` variable it replaces, so a deployment
+tuned for the overlay keeps its meaning here. `min_span` is the minimum *relocated* length: a
+surviving span needs at least `min_span + tail` equal tokens (80 with the defaults), as in the
+overlay's `len - kext >= MIN_TAIL` rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """All SCR settings. Construction validates every field and raises ValueError on bad values."""
+
+    enabled: bool = True
+    max_spans: int = 6  # K: spans relocated per request, the longest first
+    tail: int = 16  # last tokens of each span recomputed instead of relocated (>= 1)
+    min_span: int = 64  # minimum relocated length of a span
+    max_sessions: int = 16  # tracked conversations (LRU by count)
+    session_max_tokens: int = 1_000_000  # cap on all sessions' private tokens (LRU by memory)
+    match_window: int = 8192  # longest common prefix is measured within this many tokens
+    match_min_tokens: int = 1024  # minimum common prefix for an automatic session match
+    match_min_prefix_frac: float = 0.5  # weak unless lcp/len(old) or overlap reaches its bar
+    match_min_overlap: float = 0.5
+    match_min_ratio: float = 0.55  # the winner's token overlap must reach this
+    match_ambig_margin: float = 0.15  # no match if another session's overlap beats the winner's by more
+    no_rerotate: bool = False  # control: relocate keys without the RoPE delta rotation
+    fastdiff_min: int = 2048  # chunk-level diff when both sequences are at least this long
+    cdc_target: int = 64  # mean chunk size of the content-defined chunking (a power of 2)
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            check_field(spec.name, getattr(self, spec.name))
+        if self.match_min_tokens > self.match_window:
+            raise ValueError(
+                f"match_min_tokens ({self.match_min_tokens}) must not exceed match_window "
+                f"({self.match_window}): no session could ever match"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], base: ReuseConfig | None = None) -> ReuseConfig:
+        """Return `base` (default: the defaults) with every `ENV_TABLE` variable present in `environ`
+        applied. A value that does not parse or is out of range raises ValueError naming the variable."""
+        overrides: dict[str, Any] = {}
+        for entry in ENV_TABLE:
+            if entry.name not in environ:
+                continue
+            raw = environ[entry.name]
+            try:
+                value = entry.parser(raw)
+                check_field(entry.field, value)
+            except ValueError as exc:
+                raise ValueError(f"{entry.name}={raw!r}: {exc}") from None
+            overrides[entry.field] = value
+        return (base or cls()).replace(**overrides)
+
+    def replace(self, **overrides: Any) -> ReuseConfig:
+        """A copy with `overrides` applied and validated; unknown names or bad values raise ValueError."""
+        unknown = sorted(set(overrides) - set(FIELD_TYPES))
+        if unknown:
+            raise ValueError(f"unknown SCR setting(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **overrides)
+
+    def describe(self) -> str:
+        """One line `scr key=value ...` with every setting, for the server's start-up banner."""
+        parts = []
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            parts.append(f"{spec.name}={int(value) if isinstance(value, bool) else value}")
+        return "scr " + " ".join(parts)
+
+
+FIELD_TYPES: dict[str, type] = {
+    "enabled": bool,
+    "max_spans": int,
+    "tail": int,
+    "min_span": int,
+    "max_sessions": int,
+    "session_max_tokens": int,
+    "match_window": int,
+    "match_min_tokens": int,
+    "match_min_prefix_frac": float,
+    "match_min_overlap": float,
+    "match_min_ratio": float,
+    "match_ambig_margin": float,
+    "no_rerotate": bool,
+    "fastdiff_min": int,
+    "cdc_target": int,
+}
+
+# Smallest allowed value of each integer setting; tail >= 1 keeps the prompt's last token computed.
+_INT_MINIMUM = {
+    "max_spans": 0,
+    "tail": 1,
+    "min_span": 1,
+    "max_sessions": 1,
+    "session_max_tokens": 0,
+    "match_window": 1,
+    "match_min_tokens": 1,
+    "fastdiff_min": 0,
+    "cdc_target": 4,
+}
+
+
+def check_field(name: str, value: Any) -> None:
+    """Raise ValueError unless `value` has the type of setting `name` and lies in its range.
+    Booleans are not accepted as numbers, and numbers are not accepted as booleans."""
+    kind = FIELD_TYPES.get(name)
+    if kind is None:
+        raise ValueError(f"unknown SCR setting: {name}")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a boolean, got {value!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ValueError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
+    if kind is float:
+        upper = float("inf") if name == "match_ambig_margin" else 1.0
+        if not 0.0 <= value <= upper:
+            raise ValueError(f"{name} must lie in [0, {upper}], got {value!r}")
+        return
+    if value < _INT_MINIMUM[name]:
+        raise ValueError(f"{name} must be >= {_INT_MINIMUM[name]}, got {value!r}")
+    if name == "cdc_target" and value & (value - 1):
+        raise ValueError(f"cdc_target must be a power of 2 (it is used as a bit mask), got {value!r}")
+
+
+def parse_bool(raw: str) -> bool:
+    """Parse an environment boolean: 1/0, true/false, yes/no, on/off (any case)."""
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
+
+
+def parse_int(raw: str) -> int:
+    """Parse a base-10 integer (underscores allowed, e.g. 1_000_000)."""
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {raw!r}") from None
+
+
+def parse_float(raw: str) -> float:
+    """Parse a decimal number."""
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ValueError(f"expected a number, got {raw!r}") from None
+
+
+class EnvVar(NamedTuple):
+    """One environment variable: its name, the ReuseConfig field it sets, the parser from text,
+    the command-line flag the CLI should offer for it, and a help text."""
+
+    name: str
+    field: str
+    parser: Callable[[str], Any]
+    flag: str
+    help: str
+
+
+ENV_TABLE: tuple[EnvVar, ...] = (
+    EnvVar("KVREUSE_ENABLED", "enabled", parse_bool, "--scr-enabled", "turn Suffix Cache Reuse on or off"),
+    EnvVar("KVREUSE_MAX_BLOCKS", "max_spans", parse_int, "--scr-max-spans",
+           "K: surviving spans relocated per request, the longest first"),
+    EnvVar("KVREUSE_V6_MIN_EXTEND", "tail", parse_int, "--scr-tail",
+           "last tokens of each relocated span that are recomputed (>= 1)"),
+    EnvVar("KVREUSE_V6_MIN_TAIL", "min_span", parse_int, "--scr-min-span",
+           "minimum relocated length of a span (a span needs min_span + tail equal tokens)"),
+    EnvVar("KVREUSE_MAX_SESSIONS", "max_sessions", parse_int, "--scr-max-sessions",
+           "tracked conversations, evicted least recently used first"),
+    EnvVar("KVREUSE_SESSION_MAX_TOKENS", "session_max_tokens", parse_int, "--scr-session-max-tokens",
+           "cap on the private (relocatable) tokens held by all sessions together"),
+    EnvVar("KVREUSE_MATCH_WINDOW", "match_window", parse_int, "--scr-match-window",
+           "tokens scanned for the common prefix when matching a session"),
+    EnvVar("KVREUSE_MATCH_MIN_TOKENS", "match_min_tokens", parse_int, "--scr-match-min-tokens",
+           "minimum common prefix for an automatic session match"),
+    EnvVar("KVREUSE_MATCH_MIN_PREFIX_FRAC", "match_min_prefix_frac", parse_float,
+           "--scr-match-min-prefix-frac", "weak match unless lcp/len(old) or the overlap reaches its bar"),
+    EnvVar("KVREUSE_MATCH_MIN_OVERLAP", "match_min_overlap", parse_float, "--scr-match-min-overlap",
+           "weak match unless the token overlap or the prefix fraction reaches its bar"),
+    EnvVar("KVREUSE_MATCH_MIN_RATIO", "match_min_ratio", parse_float, "--scr-match-min-ratio",
+           "minimum token overlap of the winning session"),
+    EnvVar("KVREUSE_MATCH_AMBIG_MARGIN", "match_ambig_margin", parse_float, "--scr-match-ambig-margin",
+           "no match if another session's overlap beats the winner's by more than this"),
+    EnvVar("KVREUSE_NO_REROTATE", "no_rerotate", parse_bool, "--scr-no-rerotate",
+           "control experiment: relocate keys without re-rotating RoPE"),
+    EnvVar("KVREUSE_FASTDIFF_MIN", "fastdiff_min", parse_int, "--scr-fastdiff-min",
+           "use the chunk-level diff when both sequences have at least this many tokens"),
+    EnvVar("KVREUSE_CDC_TARGET", "cdc_target", parse_int, "--scr-cdc-target",
+           "mean chunk size of the content-defined chunking (a power of 2)"),
+)
+
+# Settings a single request may override; the rest belong to the whole server (session store).
+REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target"})
+
+SALT_OFF = "kvreuse:off"
+
+
+def parse_request_override(scr: str | dict | None, cache_salt: str | None, base: ReuseConfig) -> ReuseConfig:
+    """The settings for one request.
+
+    `scr="off"` or `cache_salt == "kvreuse:off"` (the overlay's salt form) turns SCR off; `scr="on"`
+    keeps `base`; a dict of per-request settings (names in REQUEST_FIELDS, e.g. {"max_spans": 2,
+    "tail": 8, "no_rerotate": True}) overrides `base`. Unknown or server-wide keys, bad types and
+    out-of-range values raise ValueError (the server answers 400). The salt stays the request's
+    cache namespace; that is the caller's business.
+    """
+    config = base
+    if isinstance(scr, str):
+        if scr not in ("on", "off"):
+            raise ValueError(f"scr must be 'on', 'off' or an object of settings, got {scr!r}")
+        if scr == "off":
+            config = config.replace(enabled=False)
+    elif isinstance(scr, dict):
+        bad = sorted(str(key) for key in scr if key not in REQUEST_FIELDS)
+        if bad:
+            raise ValueError(
+                f"scr: unknown or server-wide setting(s) {', '.join(bad)}; "
+                f"allowed per request: {', '.join(sorted(REQUEST_FIELDS))}"
+            )
+        for key, value in scr.items():
+            check_field(key, value)
+        config = config.replace(**scr)
+    elif scr is not None:
+        raise ValueError(f"scr must be a string, an object or null, got {type(scr).__name__}")
+    if cache_salt == SALT_OFF:
+        config = config.replace(enabled=False)
+    return config

@@ -1,0 +1,253 @@
+"""Which surviving spans to relocate, and which new tokens to compute.
+
+    old_ids   [ A ][ B  ][ C1 ..........][ x ][ C2 ..........][ rest ]
+    new_ids   [ A ][ B' ][ C1 ..........][ C2 ..........][ D ]
+               |         |<- keep ->|tail |<- keep ->|tail
+    radix cache          relocated       relocated          (src_pos -> dst_pos, delta = dst - src)
+    computed:      B'                 tail            tail  D
+
+A is served exactly by the radix cache (prefix_len tokens). Each chosen span relocates all but its
+last `tail` tokens; those, the edits and the unchosen spans are computed. Everything from the first
+relocated token on is approximate K/V (it saw a different context); everything before is exact.
+Selection follows the SCR overlay (reference notes §5): candidates are the equal runs after A whose
+relocatable length reaches `min_span`, the K longest are taken (ties: the later run), and executed
+in new-prompt order. Unlike the overlay, an edit at token 0 still gets a plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvsplice.reuse.config import ReuseConfig
+from kvsplice.reuse.diff import EqualRun, common_prefix_len
+
+
+class PlanError(ValueError):
+    """A SpanPlan violates one of its invariants."""
+
+
+@dataclass(frozen=True)
+class Keep:
+    """One relocated span: old tokens [src_pos, src_pos + length) move to new positions
+    [dst_pos, dst_pos + length); their keys are re-rotated by delta."""
+
+    src_pos: int
+    dst_pos: int
+    length: int
+
+    @property
+    def delta(self) -> int:
+        """dst_pos - src_pos: the RoPE position shift of every token of the span."""
+        return self.dst_pos - self.src_pos
+
+    @property
+    def src_end(self) -> int:
+        """One past the span's last position in the old sequence."""
+        return self.src_pos + self.length
+
+    @property
+    def dst_end(self) -> int:
+        """One past the span's last position in the new prompt."""
+        return self.dst_pos + self.length
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """How one prompt of prompt_len tokens is served: [0, prefix_len) from the radix cache, the
+    keeps relocated from the session, computed_ranges recomputed. `tail` is the minimum number of
+    computed tokens after every keep."""
+
+    prompt_len: int
+    prefix_len: int
+    keeps: tuple[Keep, ...]
+    tail: int
+
+    @property
+    def relocated_tokens(self) -> int:
+        """Tokens whose K/V are relocated from the session."""
+        return sum(keep.length for keep in self.keeps)
+
+    @property
+    def computed_ranges(self) -> tuple[tuple[int, int], ...]:
+        """New-offset ranges [start, end) to compute: [prefix_len, prompt_len) minus the keeps,
+        non-empty, increasing."""
+        ranges = []
+        start = self.prefix_len
+        for keep in self.keeps:
+            if keep.dst_pos > start:
+                ranges.append((start, keep.dst_pos))
+            start = max(start, keep.dst_end)
+        if self.prompt_len > start:
+            ranges.append((start, self.prompt_len))
+        return tuple(ranges)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Tokens computed by the model: prompt_len - prefix_len - relocated_tokens."""
+        return self.prompt_len - self.prefix_len - self.relocated_tokens
+
+    @property
+    def exact_len(self) -> int:
+        """Offset of the first relocated token, or prompt_len if none: K/V before it are exact,
+        from it on approximate (only the exact part may enter the shared radix cache)."""
+        return self.keeps[0].dst_pos if self.keeps else self.prompt_len
+
+    def validate(self, old_ids: Sequence[int], new_ids: Sequence[int], old_kv_len: int) -> None:
+        """Raise PlanError unless: prompt_len == len(new_ids); 0 <= prefix_len <= prompt_len;
+        tail >= 1; keeps non-empty, disjoint and increasing in old and new and all at/after
+        prefix_len; every relocated token identical in old and new; every src range within
+        old_kv_len <= len(old_ids); at least `tail` computed tokens after every keep (so the
+        prompt's last token is computed); prefix + relocated + prefilled == prompt_len."""
+        if self.prompt_len != len(new_ids):
+            raise PlanError(f"prompt_len {self.prompt_len} != len(new_ids) {len(new_ids)}")
+        if not 0 <= self.prefix_len <= self.prompt_len:
+            raise PlanError(f"prefix_len {self.prefix_len} outside [0, {self.prompt_len}]")
+        if self.tail < 1:
+            raise PlanError(f"tail {self.tail} < 1: the prompt's last token must be computed")
+        if not 0 <= old_kv_len <= len(old_ids):
+            raise PlanError(f"old_kv_len {old_kv_len} outside [0, {len(old_ids)}]")
+        src_floor, dst_floor = 0, self.prefix_len
+        for keep in self.keeps:
+            _validate_keep(keep, src_floor, dst_floor, old_kv_len, old_ids, new_ids)
+            if keep.dst_end + self.tail > self.prompt_len:
+                raise PlanError(f"{keep} is followed by fewer than {self.tail} prompt tokens")
+            src_floor, dst_floor = keep.src_end, keep.dst_end + self.tail
+        computed = sum(end - start for start, end in self.computed_ranges)
+        if self.prefix_len + self.relocated_tokens + computed != self.prompt_len:
+            raise PlanError("prefix + relocated + prefilled != prompt_len")
+
+
+def _validate_keep(keep: Keep, src_floor: int, dst_floor: int, old_kv_len: int,
+                   old_ids: Sequence[int], new_ids: Sequence[int]) -> None:
+    """Raise PlanError unless `keep` is non-empty, starts at/after both floors (the previous keep's
+    end in old, its end plus tail in new), lies within old_kv_len and matches token for token."""
+    if keep.length < 1:
+        raise PlanError(f"{keep} is empty")
+    if keep.src_pos < src_floor:
+        raise PlanError(f"{keep} starts before old offset {src_floor} (overlap or out of order)")
+    if keep.dst_pos < dst_floor:
+        raise PlanError(f"{keep} starts before new offset {dst_floor} (prefix, overlap or short tail)")
+    if keep.src_end > old_kv_len:
+        raise PlanError(f"{keep} reads old positions beyond old_kv_len {old_kv_len}")
+    if list(old_ids[keep.src_pos : keep.src_end]) != list(new_ids[keep.dst_pos : keep.dst_end]):
+        raise PlanError(f"{keep} relocates tokens that differ between old and new")
+
+
+@dataclass(frozen=True)
+class PrefillBreakdown:
+    """Why each prefilled token was computed: `changed` (new tokens in no equal run: B' and D),
+    `span_tails` (the tails of relocated spans), `unchosen_spans` (equal-run tokens after A that
+    were not relocated: not among the K longest, too short, or beyond the old K/V),
+    `uncached_unchanged` (the common prefix of old and new beyond prefix_len, which the radix cache
+    did not serve)."""
+
+    changed: int = 0
+    span_tails: int = 0
+    unchosen_spans: int = 0
+    uncached_unchanged: int = 0
+
+    @property
+    def total(self) -> int:
+        """The sum of the four categories (== the plan's prefilled tokens)."""
+        return self.changed + self.span_tails + self.unchosen_spans + self.uncached_unchanged
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """make_plan's answer: the plan, or None with the reason; and the prefilled-token breakdown
+    (of the plan, or of plain prefill after prefix_len when there is no plan)."""
+
+    plan: SpanPlan | None
+    reason: str | None
+    breakdown: PrefillBreakdown
+
+
+def make_plan(
+    old_ids: Sequence[int],
+    new_ids: Sequence[int],
+    runs: Sequence[EqualRun],
+    *,
+    prefix_len: int,
+    old_kv_len: int,
+    cfg: ReuseConfig,
+) -> PlanResult:
+    """Plan the reuse of a session's K/V for new_ids, given diff_tokens(old_ids, new_ids) runs,
+    the radix-served prefix length and the number of old tokens with K/V. The plan (when one is
+    returned) passes validate(). No plan, with reason, when SCR is off ("disabled"), the session
+    holds no tokens ("no_session_tokens"), or no run after the prefix is long enough ("no_spans").
+    Raises ValueError on a prefix_len or old_kv_len out of range."""
+    prompt_len = len(new_ids)
+    if not 0 <= prefix_len <= prompt_len:
+        raise ValueError(f"prefix_len {prefix_len} outside [0, {prompt_len}]")
+    if not 0 <= old_kv_len <= len(old_ids):
+        raise ValueError(f"old_kv_len {old_kv_len} outside [0, {len(old_ids)}]")
+    reason = None
+    keeps: tuple[Keep, ...] = ()
+    if not cfg.enabled:
+        reason = "disabled"
+    elif old_kv_len == 0:
+        reason = "no_session_tokens"
+    else:
+        keeps = choose_keeps(runs, prefix_len=prefix_len, old_kv_len=old_kv_len, cfg=cfg)
+        reason = None if keeps else "no_spans"
+    breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=prefix_len, keeps=keeps, tail=cfg.tail)
+    plan = SpanPlan(prompt_len, prefix_len, keeps, cfg.tail) if keeps else None
+    return PlanResult(plan, reason, breakdown)
+
+
+def choose_keeps(runs: Sequence[EqualRun], *, prefix_len: int, old_kv_len: int, cfg: ReuseConfig) -> tuple[Keep, ...]:
+    """The keeps, in new order: each run is clipped to start at/after prefix_len in new; its
+    relocatable part is [start, end - tail), clipped to old_kv_len in old; runs whose relocatable
+    part reaches min_span are candidates; the max_spans longest win (ties: the later run)."""
+    candidates = []
+    for order, run in enumerate(runs):
+        cut = max(0, prefix_len - run.new_offset)
+        src_pos, dst_pos = run.old_offset + cut, run.new_offset + cut
+        length = min(run.length - cut - cfg.tail, old_kv_len - src_pos)
+        if length >= cfg.min_span:
+            candidates.append((length, order, Keep(src_pos, dst_pos, length)))
+    candidates.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    chosen = [keep for _, _, keep in candidates[: cfg.max_spans]]
+    return tuple(sorted(chosen, key=lambda keep: keep.dst_pos))
+
+
+def prefill_breakdown(
+    old_ids: Sequence[int],
+    new_ids: Sequence[int],
+    runs: Sequence[EqualRun],
+    *,
+    prefix_len: int,
+    keeps: Sequence[Keep],
+    tail: int,
+) -> PrefillBreakdown:
+    """Classify every computed new offset in [prefix_len, len(new_ids)) minus the keeps, first
+    match wins: the `tail` tokens after a keep -> span_tails; inside the common prefix of old and
+    new -> uncached_unchanged; inside an equal run -> unchosen_spans; else changed. Pass keeps=()
+    for the breakdown of plain prefill (e.g. after a relocation fell back)."""
+    prompt_len = len(new_ids)
+    common = common_prefix_len(old_ids, new_ids)
+    plan = SpanPlan(prompt_len, prefix_len, tuple(keeps), tail)
+    families = (
+        ("span_tails", [(keep.dst_end, min(keep.dst_end + tail, prompt_len)) for keep in keeps]),
+        ("uncached_unchanged", [(0, common)]),
+        ("unchosen_spans", [(run.new_offset, run.new_end) for run in runs]),
+    )
+    cuts = sorted({edge for _, ranges in families for pair in ranges for edge in pair})
+    counts = {"changed": 0, "span_tails": 0, "unchosen_spans": 0, "uncached_unchanged": 0}
+    for start, end in plan.computed_ranges:
+        inner = cuts[bisect.bisect_right(cuts, start) : bisect.bisect_left(cuts, end)]
+        for low, high in zip([start, *inner], [*inner, end]):
+            counts[_family_of(low, families)] += high - low
+    return PrefillBreakdown(**counts)
+
+
+def _family_of(offset: int, families: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> str:
+    """Name of the first family with a range holding `offset` (each family's ranges sorted and
+    disjoint), or "changed"."""
+    for name, ranges in families:
+        position = bisect.bisect_right(ranges, (offset, float("inf"))) - 1
+        if position >= 0 and ranges[position][0] <= offset < ranges[position][1]:
+            return name
+    return "changed"

@@ -1,0 +1,85 @@
+"""paged_attention against a hand-written softmax attention over explicit position-ordered K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.engine.forward_batch import ForwardBatch, SeqSlice
+from kvsplice.layers.attention import paged_attention, position_mask, store_kv
+
+HQ, HKV, D = 4, 2, 8
+
+
+def _naive_attention(q, k, v, q_pos, k_pos, window=None):
+    """Loop-per-row softmax attention; k/v `[C, Hkv, D]` with positions k_pos; GQA by head // group."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k.shape[1]
+    for row in range(q.shape[0]):
+        for head in range(q.shape[1]):
+            visible = [c for c in range(k.shape[0]) if k_pos[c] <= q_pos[row]
+                       and (window is None or k_pos[c] > q_pos[row] - window)]
+            scores = torch.stack([q[row, head] @ k[c, head // group] for c in visible]) / math.sqrt(D)
+            weights = torch.softmax(scores, dim=0)
+            out[row, head] = sum(w * v[c, head // group] for w, c in zip(weights, visible))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_two_requests_scattered_slots_match_naive(torch_seed, window):
+    pool = KVPool(64, 1, HKV, D)
+    seqs, qs, pos_list, slot_list, expected = [], [], [], [], []
+    start = 0
+    free_slots = torch.randperm(64)  # two disjoint sets of slots scattered over the pool
+    for ctx_len, q_len in ((12, 4), (9, 1)):
+        slots, free_slots = free_slots[:ctx_len], free_slots[ctx_len:]
+        k, v = torch.randn(ctx_len, HKV, D), torch.randn(ctx_len, HKV, D)
+        ctx_pos = torch.arange(ctx_len)
+        q = torch.randn(q_len, HQ, D)
+        q_pos = ctx_pos[-q_len:]
+        # K/V of earlier tokens already cached; those of the query rows are written by store_kv below
+        store_kv(k[:-q_len], v[:-q_len], 0, slots[:-q_len], pool)
+        order = torch.randperm(ctx_len)  # context listed out of position order
+        seqs.append(SeqSlice(start, q_len, slots[order], ctx_pos[order]))
+        qs.append(q), pos_list.append(q_pos), slot_list.append(slots)
+        expected.append(_naive_attention(q, k, v, q_pos, ctx_pos, window))
+        store_kv(k[-q_len:], v[-q_len:], 0, slots[-q_len:], pool)
+        start += q_len
+    out_slots = torch.cat([slots[-len(q):] for slots, q in zip(slot_list, qs)])
+    batch = ForwardBatch(torch.zeros(start, dtype=torch.long), torch.cat(pos_list), out_slots, tuple(seqs),
+                         torch.arange(start))
+    out = paged_attention(torch.cat(qs), 0, batch, pool, D ** -0.5, sliding_window=window)
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_writes_only_given_slots_in_pool_dtype(torch_seed):
+    pool = KVPool(10, 2, HKV, D, dtype=torch.bfloat16)
+    k, v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    slots = torch.tensor([7, 2, 5])
+    store_kv(k, v, 1, slots, pool)
+    assert torch.equal(pool.k_layer(1)[slots], k.to(torch.bfloat16))
+    assert torch.equal(pool.v_layer(1)[slots], v.to(torch.bfloat16))
+    untouched = torch.tensor([0, 1, 3, 4, 6, 8, 9])
+    assert not pool.k_layer(1)[untouched].any() and not pool.k_layer(0).any()
+
+
+def test_position_mask_is_by_position_not_order():
+    mask = position_mask(torch.tensor([1, 3]), torch.tensor([3, 0, 2, 1]))
+    assert mask.tolist() == [[False, True, False, True], [True, True, True, True]]
+    windowed = position_mask(torch.tensor([3]), torch.tensor([3, 0, 2, 1]), sliding_window=2)
+    assert windowed.tolist() == [[True, False, True, False]]
+
+
+def test_bf16_query_against_fp32_pool(torch_seed):
+    pool = KVPool(8, 1, HKV, D)
+    k, v = torch.randn(8, HKV, D), torch.randn(8, HKV, D)
+    slots, pos = torch.arange(8), torch.arange(8)
+    store_kv(k, v, 0, slots, pool)
+    q = torch.randn(8, HQ, D)
+    batch = ForwardBatch.single(torch.zeros(8, dtype=torch.long), pos, slots, slots, pos, all_logits=True)
+    out = paged_attention(q.to(torch.bfloat16), 0, batch, pool, D ** -0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _naive_attention(q, k, v, pos, pos), atol=0.05, rtol=0.05)

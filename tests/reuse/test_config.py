@@ -1,0 +1,83 @@
+"""ReuseConfig: defaults, the KVREUSE_* environment table, validation, per-request overrides."""
+
+import dataclasses
+
+import pytest
+
+from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, REQUEST_FIELDS, ReuseConfig, parse_request_override
+
+
+def test_defaults_follow_the_overlay_config():
+    cfg = ReuseConfig()
+    assert (cfg.enabled, cfg.max_spans, cfg.tail, cfg.min_span, cfg.max_sessions) == (True, 6, 16, 64, 16)
+    assert (cfg.match_window, cfg.match_min_tokens, cfg.match_min_ratio, cfg.match_ambig_margin) == (8192, 1024, 0.55, 0.15)
+    assert (cfg.fastdiff_min, cfg.cdc_target, cfg.no_rerotate) == (2048, 64, False)
+
+
+def test_env_table_covers_every_field_once_with_unique_names_and_flags():
+    fields = [entry.field for entry in ENV_TABLE]
+    assert sorted(fields) == sorted(spec.name for spec in dataclasses.fields(ReuseConfig)) == sorted(FIELD_TYPES)
+    assert len({entry.name for entry in ENV_TABLE}) == len(ENV_TABLE)
+    assert len({entry.flag for entry in ENV_TABLE}) == len(ENV_TABLE)
+    assert all(entry.name.startswith("KVREUSE_") and entry.flag.startswith("--scr-") and entry.help for entry in ENV_TABLE)
+
+
+def test_from_env_applies_overlay_names():
+    env = {"KVREUSE_MAX_BLOCKS": "3", "KVREUSE_V6_MIN_EXTEND": "8", "KVREUSE_V6_MIN_TAIL": "32",
+           "KVREUSE_ENABLED": "0", "KVREUSE_MATCH_MIN_RATIO": "0.7", "KVREUSE_SESSION_MAX_TOKENS": "1_000",
+           "UNRELATED": "x"}
+    cfg = ReuseConfig.from_env(env)
+    assert (cfg.max_spans, cfg.tail, cfg.min_span, cfg.enabled, cfg.match_min_ratio) == (3, 8, 32, False, 0.7)
+    assert cfg.session_max_tokens == 1000
+    assert ReuseConfig.from_env({}, base=cfg) == cfg
+
+
+@pytest.mark.parametrize("name, raw", [
+    ("KVREUSE_MAX_BLOCKS", "many"), ("KVREUSE_V6_MIN_EXTEND", "0"), ("KVREUSE_ENABLED", "maybe"),
+    ("KVREUSE_MATCH_MIN_RATIO", "1.5"), ("KVREUSE_CDC_TARGET", "48"), ("KVREUSE_MATCH_MIN_TOKENS", "9000"),
+])
+def test_from_env_bad_values_name_the_variable(name, raw):
+    with pytest.raises(ValueError, match=name if name != "KVREUSE_MATCH_MIN_TOKENS" else "match_min_tokens"):
+        ReuseConfig.from_env({name: raw})
+
+
+def test_replace_validates_and_rejects_unknown_names():
+    assert ReuseConfig().replace(max_spans=2).max_spans == 2
+    with pytest.raises(ValueError, match="unknown"):
+        ReuseConfig().replace(max_blocks=2)
+    with pytest.raises(ValueError, match="integer"):
+        ReuseConfig().replace(tail=True)
+    with pytest.raises(ValueError, match="boolean"):
+        ReuseConfig().replace(enabled=1)
+    with pytest.raises(ValueError, match=">= 1"):
+        ReuseConfig(tail=0)
+
+
+def test_describe_is_one_line_with_every_setting():
+    line = ReuseConfig(max_spans=2).describe()
+    assert "\n" not in line and "max_spans=2" in line and "enabled=1" in line
+    assert all(f"{name}=" in line for name in FIELD_TYPES)
+
+
+def test_request_override_off_by_scr_or_salt():
+    base = ReuseConfig()
+    assert parse_request_override("off", None, base).enabled is False
+    assert parse_request_override(None, "kvreuse:off", base).enabled is False
+    assert parse_request_override({"max_spans": 3}, "kvreuse:off", base).enabled is False
+    assert parse_request_override(None, "tenant-a", base) == base
+    assert parse_request_override("on", None, base) == base
+
+
+def test_request_override_dict():
+    cfg = parse_request_override({"max_spans": 2, "tail": 8, "no_rerotate": True}, None, ReuseConfig())
+    assert (cfg.max_spans, cfg.tail, cfg.no_rerotate, cfg.min_span) == (2, 8, True, 64)
+    assert REQUEST_FIELDS <= set(FIELD_TYPES)
+
+
+@pytest.mark.parametrize("scr", [
+    {"bogus": 1}, {"max_sessions": 2}, {"max_spans": "2"}, {"max_spans": 2.0}, {"no_rerotate": 1},
+    {"tail": 0}, {"max_spans": True}, "sometimes", 3,
+])
+def test_request_override_rejects_bad_input(scr):
+    with pytest.raises(ValueError):
+        parse_request_override(scr, None, ReuseConfig())
