@@ -75,8 +75,10 @@ class Engine:
     # ----- requests in ------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     cache_salt: str | None = None, session_id: str | None = None,
-                    scr: str | dict | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError for input that can never be served
+                    scr: str | dict | None = None, keep_last_logits: int = 0) -> str:
+        """Queue a request; returns its id. `keep_last_logits`: return the raw next-token logits
+        of the last N prompt positions that are computed (not those served from a cache) in the
+        first RequestOutput (for fidelity measurements). Raises ValueError for input that can never be served
         (empty prompt, unknown token ids, too long for the context or the pool) and
         QueueFullError when the queue is full."""
         rid = rid or f"req-{next(self._rid_counter)}"
@@ -84,7 +86,8 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         req = Req(rid, list(prompt_ids), params, namespace=cache_salt, session_id=session_id,
-                  arrival_s=time.perf_counter(), generator=make_generator(params.seed))
+                  arrival_s=time.perf_counter(), generator=make_generator(params.seed),
+                  keep_last_logits=keep_last_logits)
         req.scr = self.reuse.request_config(scr, cache_salt)
         self._reqs[rid] = req
         self._detoks[rid] = IncrementalDetokenizer(
@@ -140,6 +143,7 @@ class Engine:
         if req.prompt_logprobs is not None:
             for offset, lp in result.prompt_logprobs.items():
                 req.prompt_logprobs[offset + 1] = lp
+        req.prompt_logits.update(result.prompt_logits)
         req.pending = req.pending[len(chunk.offsets):]
         if result.token_id is None:
             return None
@@ -214,7 +218,8 @@ class Engine:
         prompt_lps = tuple(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None
         ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
         out = RequestOutput(req.rid, tokens, text, lps, finished, req.finish_reason,
-                            len(req.prompt_ids), len(req.output_ids), req.reuse, prompt_lps, ttft)
+                            len(req.prompt_ids), len(req.output_ids), req.reuse, prompt_lps, ttft,
+                            dict(req.prompt_logits) if first and req.keep_last_logits else None)
         if finished:
             self._reqs.pop(req.rid, None)
             self._detoks.pop(req.rid, None)

@@ -35,6 +35,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob | None] | None
     reuse: ReuseStats
+    prompt_logits: dict | None = None
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -109,4 +110,4 @@ class LLM:
         return GenerationResult(rid, prompt_ids, token_ids, "".join(o.new_text for o in outs),
                                 last.finish_reason, [lp for o in outs for lp in o.logprobs],
                                 next((list(o.prompt_logprobs) for o in outs if o.prompt_logprobs), None),
-                                last.reuse)
+                                last.reuse, next((o.prompt_logits for o in outs if o.prompt_logits), None))

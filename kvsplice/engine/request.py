@@ -51,6 +51,7 @@ class RequestOutput:
     reuse: ReuseStats
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     ttft_s: float | None = None
+    prompt_logits: dict[int, torch.Tensor] | None = None   # offset -> fp32 logits, if kept
 
 
 @dataclass
@@ -75,6 +76,8 @@ class Req:
     reuse: ReuseStats = field(default_factory=lambda: ReuseStats(0, 0, 0, 0, "off"))
     scr: object | None = None                      # per-request SCR state (kvsplice.reuse), if any
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    keep_last_logits: int = 0                      # keep raw logits of the last N prompt offsets
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     first_token_s: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0

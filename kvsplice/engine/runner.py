@@ -18,12 +18,14 @@ from kvsplice.layers.sampler import TokenLogprob, logprobs_of, sample
 
 @dataclass(frozen=True)
 class ChunkResult:
-    """What one chunk produced: the sampled token (if it sampled) and prompt logprobs for the
-    prompt offsets it computed (offset o carries the logprob of prompt token o + 1)."""
+    """What one chunk produced: the sampled token (if it sampled), prompt logprobs for the prompt
+    offsets it computed (offset o carries the logprob of prompt token o + 1), and the raw logits
+    of the prompt offsets the request asked to keep (`Req.keep_last_logits`)."""
 
     token_id: int | None
     logprob: TokenLogprob | None
     prompt_logprobs: dict[int, TokenLogprob]
+    prompt_logits: dict[int, torch.Tensor]
 
 
 class ModelRunner:
@@ -31,9 +33,9 @@ class ModelRunner:
         self.model = model
         self.pool = pool
 
-    def build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[list[int]]]:
-        """Flatten chunks into a ForwardBatch; also returns, per chunk, the flat logit-row
-        indices (into the logits tensor) in order of its offsets that have logits."""
+    def build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[dict[int, int]]]:
+        """Flatten chunks into a ForwardBatch; also returns, per chunk, {offset: row of the
+        logits tensor} for the offsets whose logits are needed."""
         ids, pos, slots, seqs, rows, rows_per_chunk = [], [], [], [], [], []
         start = 0
         for chunk in chunks:
@@ -46,10 +48,10 @@ class ModelRunner:
             ctx_len = offsets[-1] + 1
             seqs.append(SeqSlice(start, len(offsets), req.seq_slots[:ctx_len],
                                  torch.arange(ctx_len, dtype=torch.int64)))
+            row_of = {o: start + i for i, o in enumerate(offsets)}
             wanted = self._logit_offsets(chunk)
-            first_row = len(rows)
-            rows.extend(start + offsets.index(o) for o in wanted)
-            rows_per_chunk.append(list(range(first_row, len(rows))))
+            rows_per_chunk.append({o: len(rows) + i for i, o in enumerate(wanted)})
+            rows.extend(row_of[o] for o in wanted)
             start += len(offsets)
         batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), tuple(seqs),
                              torch.tensor(rows, dtype=torch.int64))
@@ -57,38 +59,40 @@ class ModelRunner:
 
     @staticmethod
     def _logit_offsets(chunk: Chunk) -> list[int]:
+        """Offsets of `chunk` that need logits, increasing: the prompt-logprob offsets, the kept
+        prompt offsets, and the last one when the chunk samples."""
         req = chunk.req
-        if req.wants_prompt_logprobs:
-            wanted = [o for o in chunk.offsets if o < len(req.prompt_ids) - 1]
-        else:
-            wanted = []
+        prompt_len = len(req.prompt_ids)
+        keep_from = prompt_len - req.keep_last_logits
+        wanted = {o for o in chunk.offsets
+                  if (req.wants_prompt_logprobs and o < prompt_len - 1) or keep_from <= o < prompt_len}
         if chunk.samples:
-            wanted.append(chunk.offsets[-1])
-        return wanted
+            wanted.add(chunk.offsets[-1])
+        return sorted(wanted)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> list[ChunkResult]:
         """One forward over all chunks, then sampling. Writes the chunks' K/V into the pool."""
         batch, rows_per_chunk = self.build_batch(chunks)
         logits = self.model(batch, self.pool).float()
-        sample_rows = [rows[-1] for chunk, rows in zip(chunks, rows_per_chunk) if chunk.samples]
-        sampling = [c for c in chunks if c.samples]
+        sampling = [(c, rows) for c, rows in zip(chunks, rows_per_chunk) if c.samples]
         tokens, token_lps = [], []
         if sampling:
-            tokens, token_lps = sample(logits[sample_rows], [c.req.params for c in sampling],
-                                       [c.req.generator for c in sampling])
+            sample_rows = [rows[c.offsets[-1]] for c, rows in sampling]
+            tokens, token_lps = sample(logits[sample_rows], [c.req.params for c, _ in sampling],
+                                       [c.req.generator for c, _ in sampling])
         results, k = [], 0
         for chunk, rows in zip(chunks, rows_per_chunk):
             prompt_lps = self._prompt_logprobs(chunk, logits, rows)
-            if chunk.samples:
-                results.append(ChunkResult(tokens[k], token_lps[k], prompt_lps))
-                k += 1
-            else:
-                results.append(ChunkResult(None, None, prompt_lps))
+            kept = {o: logits[r].clone() for o, r in rows.items()
+                    if o >= len(chunk.req.prompt_ids) - chunk.req.keep_last_logits and o < len(chunk.req.prompt_ids)}
+            token, lp = (tokens[k], token_lps[k]) if chunk.samples else (None, None)
+            k += chunk.samples
+            results.append(ChunkResult(token, lp, prompt_lps, kept))
         return results
 
     @staticmethod
-    def _prompt_logprobs(chunk: Chunk, logits: torch.Tensor, rows: list[int]) -> dict[int, TokenLogprob]:
+    def _prompt_logprobs(chunk: Chunk, logits: torch.Tensor, rows: dict[int, int]) -> dict[int, TokenLogprob]:
         req = chunk.req
         if not req.wants_prompt_logprobs:
             return {}
@@ -96,5 +100,5 @@ class ModelRunner:
         if not offsets:
             return {}
         targets = torch.tensor([req.prompt_ids[o + 1] for o in offsets], dtype=torch.int64)
-        lps = logprobs_of(logits[rows[: len(offsets)]], targets, req.params.prompt_logprobs)
+        lps = logprobs_of(logits[[rows[o] for o in offsets]], targets, req.params.prompt_logprobs)
         return dict(zip(offsets, lps))

@@ -1,0 +1,182 @@
+"""The `kvsplice` command: serve | generate | pull | bench | report | workload.
+
+    kvsplice serve [--model M | --model-path M] [--host H] [--port P] [engine flags] [SCR flags]
+    kvsplice generate [--model M] --prompt TEXT [--max-tokens N] [--temperature T] [--seed S] [--chat]
+    kvsplice pull                      fetch and convert the default model
+    kvsplice bench | report | workload (see kvsplice/bench/commands.py)
+
+Engine flags mirror EngineConfig; SCR flags mirror `kvsplice.reuse.config.ENV_TABLE`. Precedence for SCR
+settings: command-line flag > KVREUSE_* environment variable > default. Bad input exits with status 2 and
+a message saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, ReuseConfig
+
+BAD_INPUT = 2
+
+
+def _typed(parser_fn: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Wrap an ENV_TABLE parser so that argparse reports its ValueError as a usage error."""
+
+    def convert(raw: str) -> Any:
+        try:
+            return parser_fn(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parser_fn, "__name__", "value").removeprefix("parse_")
+    return convert
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add --model/--model-path, every EngineConfig flag, every ENV_TABLE SCR flag and --no-scr."""
+    parser.add_argument("--model", "--model-path", dest="model", default=None,
+                        help="HF model dir, GGUF file, llama2.c .bin or hub id (default: SmolLM2-135M-Instruct)")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    group.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")
+    group.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward")
+    group.add_argument("--max-running", type=int, default=None, help="requests decoding at once")
+    group.add_argument("--max-waiting", type=int, default=None, help="queue length beyond which requests get 503")
+    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
+    group.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
+    scr = parser.add_argument_group("suffix cache reuse (flag > env var > default)")
+    scr.add_argument("--no-scr", action="store_true", help="turn SCR off (same as --scr-enabled 0)")
+    for entry in ENV_TABLE:
+        kwargs: dict[str, Any] = {"dest": f"scr_{entry.field}", "default": None, "type": _typed(entry.parser),
+                                  "help": f"{entry.help} [env {entry.name}]"}
+        if FIELD_TYPES[entry.field] is bool:
+            kwargs.update(nargs="?", const=True, metavar="BOOL")
+        scr.add_argument(entry.flag, **kwargs)
+
+
+def reuse_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ReuseConfig:
+    """ReuseConfig from defaults, then KVREUSE_* variables in `environ`, then flags. ValueError if bad."""
+    config = ReuseConfig.from_env(environ)
+    overrides = {entry.field: getattr(args, f"scr_{entry.field}") for entry in ENV_TABLE
+                 if getattr(args, f"scr_{entry.field}", None) is not None}
+    if args.no_scr:
+        overrides["enabled"] = False
+    return config.replace(**overrides) if overrides else config
+
+
+def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]):
+    """EngineConfig from parsed engine flags (unset flags keep EngineConfig's defaults). ValueError if bad."""
+    from kvsplice.config import EngineConfig
+
+    kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
+                              "prefix_cache": not args.no_prefix_cache,
+                              "reuse": reuse_config_from_args(args, environ)}
+    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    return EngineConfig(**kwargs)
+
+
+def _check_model_arg(model: Optional[str]) -> None:
+    """ValueError for a path-looking --model that does not exist (hub ids have no leading / or .)."""
+    if model and model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
+        raise ValueError(f"--model: {model} does not exist")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of serve / generate / pull (bench, report, workload parse their own argv)."""
+    parser = argparse.ArgumentParser(prog="kvsplice", description="LLM serving with Suffix Cache Reuse.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,pull,bench,report,workload}")
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--replica-name", default=None, help="name put in every request log line")
+    serve.add_argument("--reasoning-parser", action="store_true",
+                       help="move <think>...</think> blocks of replies into reasoning_content")
+    serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    generate = sub.add_parser("generate", help="print one completion")
+    add_engine_args(generate)
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    sub.add_parser("pull", help="fetch and convert the default model")
+    for name in ("bench", "report", "workload"):
+        sub.add_parser(name, help=f"see `kvsplice {name} --help`", add_help=False)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvsplice.server.api import ServerSettings
+    from kvsplice.server.launch import serve
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    _check_model_arg(args.model)
+    config = engine_config_from_args(args, os.environ)
+    settings = ServerSettings(model_path=args.model, replica_name=args.replica_name,
+                              reasoning_parser=args.reasoning_parser, host=args.host, port=args.port)
+    serve(config, settings, log_level=args.log_level)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvsplice.engine.llm import LLM, build_engine
+    from kvsplice.sampling_params import SamplingParams
+
+    _check_model_arg(args.model)
+    config = engine_config_from_args(args, os.environ)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    llm = LLM(engine=build_engine(config))
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _pull(_: argparse.Namespace) -> int:
+    from kvsplice.models.default_model import pull_default_model
+
+    print(pull_default_model(progress=True))
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `kvsplice` command; returns the exit status (2 for bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("bench", "report", "workload"):
+        from kvsplice.bench import commands
+
+        return getattr(commands, f"{argv[0]}_main")(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else BAD_INPUT
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return BAD_INPUT
+    handler = {"serve": _serve, "generate": _generate, "pull": _pull}[args.command]
+    try:
+        return handler(args)
+    except ValueError as exc:
+        print(f"kvsplice {args.command}: {exc}", file=sys.stderr)
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,612 @@
+"""The HTTP API: an OpenAI-compatible front (chat, completions, models), SGLang-compatible endpoints (so an
+sglang-router can balance several kvsplice replicas), health, readiness and Prometheus metrics.
+
+    HTTP body ─pydantic (protocol.py)─> prompt ids (chat.py | tokenizer) + SamplingParams
+        ─> AsyncEngine.generate ─> RequestOutput deltas ─> JSON or SSE chunks
+        ─> on the last delta (or an abort): one `kvsplice.request` log line + metrics
+
+Errors: every 4xx/5xx body is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Validation errors
+(malformed JSON, wrong types) are 400, not FastAPI's 422; ValueError from the engine is 400; an unknown model
+is 404; a full queue is 503 with Retry-After. A streamed request that fails before its first token is
+answered with the error status (the first output is awaited before the 200 is sent).
+
+A client that disconnects aborts its request: for streams, the response task is cancelled, which closes
+`AsyncEngine.generate` (its `finally` aborts the request and frees its slots); for plain requests a
+watcher polls `request.is_disconnected()` and cancels the collecting task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvsplice.engine.async_engine import AsyncEngine
+from kvsplice.engine.engine import QueueFullError
+from kvsplice.engine.request import RequestOutput
+from kvsplice.sampling_params import SamplingParams
+from kvsplice.server import protocol as p
+from kvsplice.server.chat import ReasoningStream, chat_prompt_ids, split_reasoning
+from kvsplice.server.metrics import ServerMetrics, take_snapshot
+from kvsplice.server.request_log import RequestLog, flatten_reuse, request_record
+
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server-level options. `model_path`: the path the model was loaded from, also accepted as the
+    request's `model`. `reasoning_parser`: move `<think>` blocks of replies into `reasoning_content`."""
+
+    model_path: Optional[str] = None
+    replica_name: Optional[str] = None
+    reasoning_parser: bool = False
+    host: Optional[str] = None
+    port: Optional[int] = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+class ApiError(Exception):
+    """An error answered with `status` and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 error_type: str = "invalid_request_error", headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.error_type, self.headers = error_type, headers
+
+
+def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str | int] = None) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return p.ErrorResponse(error=p.ErrorInfo(message=message, type=error_type, param=param, code=code)).model_dump()
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    """A readable message and the offending parameter from FastAPI's validation errors."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(item) for item in err.get("loc", ()) if item != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        where = ".".join(loc)
+        param = param or (where or None)
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+# ----- app state ---------------------------------------------------------------------------------------
+
+
+class ServerState:
+    """What handlers share: the engine, its async driver, settings, metrics and the request log."""
+
+    def __init__(self, engine, settings: ServerSettings, log: RequestLog):
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.settings = settings
+        self.log = log
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+
+    @property
+    def model_names(self) -> set[str]:
+        """Names a request's `model` may use: the served name, the path it was loaded from, its folder name."""
+        names = {self.engine.name}
+        if self.settings.model_path:
+            names |= {self.settings.model_path, Path(self.settings.model_path).name}
+        return names
+
+    @property
+    def context_limit(self) -> int:
+        """Longest sequence (prompt + completion) a request may have."""
+        return min(self.engine.max_model_len, self.engine.config.num_slots)
+
+
+def _check_model(state: ServerState, model: Optional[str]) -> None:
+    if model is not None and model not in state.model_names:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.engine.name!r}",
+                       param="model", code="model_not_found", error_type="NotFoundError")
+
+
+def _max_tokens(state: ServerState, prompt_len: int, requested: Optional[int]) -> int:
+    """The completion budget: `requested`, or the rest of the context; 400 (with the numbers) if the prompt
+    does not fit or prompt + requested exceeds the context."""
+    limit = state.context_limit
+    if prompt_len >= limit:
+        raise ApiError(400, f"the prompt has {prompt_len} tokens but this model's context limit is {limit} "
+                            f"tokens (prompt + completion); shorten the prompt", param="messages",
+                       code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise ApiError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds this model's "
+                            f"context limit of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def _sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],
+              prompt_logprobs: Optional[int]) -> SamplingParams:
+    """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if fields.temperature is None else fields.temperature,
+        top_p=1.0 if fields.top_p is None else fields.top_p,
+        top_k=fields.top_k if fields.top_k not in (None, 0, -1) else None,
+        min_p=fields.min_p or 0.0,
+        seed=fields.seed,
+        stop=fields.stop or (),
+        stop_token_ids=tuple(fields.stop_token_ids or ()),
+        ignore_eos=fields.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=fields.skip_special_tokens,
+    )
+
+
+# ----- running one request -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Tracker:
+    """Accumulates one request's outputs for the final answer, the log line and metrics."""
+
+    rid: str
+    endpoint: str
+    session_id: Optional[str]
+    start_s: float = field(default_factory=time.perf_counter)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    logged: bool = False
+
+    @property
+    def last(self) -> Optional[RequestOutput]:
+        return self.outputs[-1] if self.outputs else None
+
+
+def _finish(state: ServerState, tracker: _Tracker, finish_reason: Optional[str] = None) -> None:
+    """Write the request's log line and metrics once (finish_reason overrides, e.g. 'abort')."""
+    if tracker.logged:
+        return
+    tracker.logged = True
+    last = tracker.last
+    e2e = time.perf_counter() - tracker.start_s
+    reason = finish_reason or (last.finish_reason if last else None)
+    reuse = last.reuse.as_dict() if last else None
+    ttft = next((o.ttft_s for o in tracker.outputs if o.ttft_s is not None), None)
+    state.metrics.observe_request(tracker.endpoint, reason, ttft, e2e, reuse.get("fallback") if reuse else None)
+    state.log.request(request_record(
+        tracker.rid, last.prompt_tokens if last else 0, last.completion_tokens if last else 0, reuse, ttft, e2e,
+        reason, tracker.session_id, state.settings.replica_name, tracker.endpoint))
+
+
+async def _start(state: ServerState, tracker: _Tracker, prompt_ids: list[int], params: SamplingParams,
+                 extras: dict[str, Any]) -> AsyncIterator[RequestOutput]:
+    """Submit the request and return its output iterator, with the first output already fetched (so bad
+    input and a full queue raise here, before any response is sent)."""
+    if not state.async_engine.alive:
+        raise ApiError(503, "the engine is not running", error_type="ServiceUnavailableError")
+    gen = state.async_engine.generate(prompt_ids, params, tracker.rid, **extras)
+    try:
+        first = await gen.__anext__()
+    except QueueFullError as exc:
+        raise ApiError(503, str(exc), error_type="ServiceUnavailableError", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+    async def rest() -> AsyncIterator[RequestOutput]:
+        try:
+            tracker.outputs.append(first)
+            yield first
+            if first.finished:
+                return
+            async for out in gen:
+                tracker.outputs.append(out)
+                yield out
+        finally:
+            await gen.aclose()
+            _finish(state, tracker, None if tracker.last and tracker.last.finished else "abort")
+
+    return rest()
+
+
+async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> None:
+    """Drain `outputs`; if the client disconnects first, cancel (which aborts the request)."""
+
+    async def drain() -> None:
+        async for _ in outputs:
+            pass
+
+    task = asyncio.create_task(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                return
+            if await request.is_disconnected():
+                task.cancel()
+                raise ApiError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+def _usage(out: RequestOutput, completion_tokens: Optional[int] = None) -> dict[str, Any]:
+    """`usage` of a finished request; `reuse` is ReuseStats.as_dict() plus the breakdown flattened."""
+    reuse = out.reuse.as_dict()
+    reuse.update({k: v for k, v in flatten_reuse(reuse).items() if k not in reuse})
+    completion = out.completion_tokens if completion_tokens is None else completion_tokens
+    return p.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=completion,
+                   total_tokens=out.prompt_tokens + completion,
+                   prompt_tokens_details=p.PromptTokensDetails(
+                       cached_tokens=out.reuse.prefix_tokens + out.reuse.relocated_tokens),
+                   reuse=reuse).model_dump()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _extras(body) -> dict[str, Any]:
+    """kvsplice's per-request fields for AsyncEngine.generate."""
+    return {"cache_salt": body.cache_salt, "session_id": body.session_id, "scr": body.scr}
+
+
+# ----- logprobs formats --------------------------------------------------------------------------------
+
+
+def _chat_logprobs(tokenizer, lps, top_n: int) -> dict[str, Any]:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.token_str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top[:top_n]]} for lp in lps]}
+
+
+def _legacy_logprobs(tokenizer, lps, first_offset: int) -> dict[str, Any]:
+    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob} or None),
+    text_offset (character offset of each token in the returned text, from `first_offset`). An entry of
+    `lps` may be None (the first prompt token): its logprob and top_logprobs are null."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = first_offset
+    for token_id, lp in lps:
+        text = tokenizer.token_str(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        token_lps.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else {tokenizer.token_str(t): v for t, v in lp.top})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+# ----- handlers ----------------------------------------------------------------------------------------
+
+
+async def _chat(state: ServerState, request: Request, body: p.ChatCompletionRequest) -> Response:
+    _check_model(state, body.model)
+    if body.max_tokens == 0:
+        raise ApiError(400, "max_tokens: must be >= 1 for chat completions", param="max_tokens")
+    prompt_ids = chat_prompt_ids(state.engine.tokenizer, body.messages, body.tools)
+    max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens)
+    top_n = body.top_logprobs or 0
+    params = _sampling(body, max_tokens, top_n if body.logprobs else None, None)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    tracker = _Tracker(rid, "chat", body.session_id)
+    outputs = await _start(state, tracker, prompt_ids, params, _extras(body))
+    head = {"id": rid, "created": int(time.time()), "model": state.engine.name}
+    tokenizer = state.engine.tokenizer
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_chat_stream(state, outputs, head, tokenizer, top_n, body.logprobs, include_usage),
+                                 media_type="text/event-stream")
+    await _collect(request, outputs)
+    last = tracker.last
+    text = "".join(o.new_text for o in tracker.outputs)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if state.settings.reasoning_parser:
+        split = split_reasoning(text)
+        message.update(content=split.content, reasoning_content=split.reasoning_content)
+    lps = [lp for o in tracker.outputs for lp in o.logprobs]
+    choice = {"index": 0, "message": message, "finish_reason": last.finish_reason,
+              "logprobs": _chat_logprobs(tokenizer, lps, top_n) if body.logprobs else None}
+    return JSONResponse({**head, "object": "chat.completion", "choices": [choice], "usage": _usage(last)})
+
+
+async def _chat_stream(state: ServerState, outputs: AsyncIterator[RequestOutput], head: dict[str, Any], tokenizer,
+                       top_n: int, want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+    reasoning = ReasoningStream() if state.settings.reasoning_parser else None
+    last = None
+    yield _sse({**chunk_head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]})
+    try:
+        async for out in outputs:
+            last = out
+            delta: dict[str, Any] = {"content": out.new_text}
+            if reasoning is not None:
+                thought, content = reasoning.feed(out.new_text, final=out.finished)
+                delta = {"content": content} | ({"reasoning_content": thought} if thought else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": out.finish_reason if out.finished else None,
+                      "logprobs": _chat_logprobs(tokenizer, out.logprobs, top_n) if want_logprobs else None}
+            if delta.get("content") or delta.get("reasoning_content") or out.finished or choice["logprobs"]:
+                yield _sse({**chunk_head, "choices": [choice]})
+        if include_usage and last is not None:
+            yield _sse({**chunk_head, "choices": [], "usage": _usage(last)})
+    except ApiError as exc:
+        yield _sse(error_body(exc.message, exc.error_type, exc.param, exc.code))
+    except RuntimeError as exc:  # the engine died mid-stream
+        yield _sse(error_body(str(exc), "server_error"))
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def _completion(state: ServerState, request: Request, body: p.CompletionRequest) -> Response:
+    _check_model(state, body.model)
+    tokenizer = state.engine.tokenizer
+    prompt = body.single_prompt()
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not prompt_ids:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
+    if body.echo and body.stream:
+        raise ApiError(400, "echo is not supported with stream=true", param="echo")
+    score_only = body.max_tokens == 0
+    # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
+    max_tokens = _max_tokens(state, len(prompt_ids), 1 if score_only else body.max_tokens)
+    prompt_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
+    params = _sampling(body, max_tokens, body.logprobs, prompt_lps)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    tracker = _Tracker(rid, "completions", body.session_id)
+    outputs = await _start(state, tracker, prompt_ids, params, _extras(body))
+    head = {"id": rid, "created": int(time.time()), "model": state.engine.name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_completion_stream(outputs, head, tokenizer, body.logprobs is not None,
+                                                    include_usage), media_type="text/event-stream")
+    await _collect(request, outputs)
+    return JSONResponse(_completion_body(tracker, head, tokenizer, prompt, prompt_ids, body, score_only))
+
+
+def _completion_body(tracker: _Tracker, head: dict[str, Any], tokenizer, prompt, prompt_ids: list[int],
+                     body: p.CompletionRequest, score_only: bool) -> dict[str, Any]:
+    last = tracker.last
+    outs = [] if score_only else tracker.outputs
+    text = "".join(o.new_text for o in outs)
+    gen_lps = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
+    prompt_text = ""
+    entries: list = []
+    if body.echo:
+        prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+        if body.logprobs is not None:
+            prompt_lps = next((o.prompt_logprobs for o in tracker.outputs if o.prompt_logprobs), None)
+            prompt_lps = prompt_lps or (None,) * len(prompt_ids)
+            entries = list(zip(prompt_ids, prompt_lps))
+    logprobs = _legacy_logprobs(tokenizer, entries + gen_lps, 0) if body.logprobs is not None else None
+    choice = {"index": 0, "text": prompt_text + text, "logprobs": logprobs,
+              "finish_reason": "length" if score_only else last.finish_reason}
+    usage = _usage(last, 0 if score_only else None)
+    return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
+
+
+async def _completion_stream(outputs: AsyncIterator[RequestOutput], head: dict[str, Any], tokenizer,
+                             want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    chunk_head = {**head, "object": "text_completion"}
+    last, offset = None, 0
+    try:
+        async for out in outputs:
+            last = out
+            logprobs = None
+            if want_logprobs:
+                logprobs = _legacy_logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offset)
+            offset += len(out.new_text)
+            if out.new_text or out.finished or logprobs:
+                yield _sse({**chunk_head, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
+                                                       "finish_reason": out.finish_reason if out.finished else None}]})
+        if include_usage and last is not None:
+            yield _sse({**chunk_head, "choices": [], "usage": _usage(last)})
+    except RuntimeError as exc:
+        yield _sse(error_body(str(exc), "server_error"))
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def _generate(state: ServerState, request: Request, body: p.GenerateRequest) -> Response:
+    """SGLang /generate: text is cumulative in stream chunks, as SGLang sends it by default."""
+    tokenizer = state.engine.tokenizer
+    prompt_ids = tokenizer.encode(body.text) if body.text is not None else list(body.input_ids)
+    sp = body.sampling_params
+    if sp.max_new_tokens < 1:
+        raise ApiError(400, f"sampling_params.max_new_tokens: must be >= 1, got {sp.max_new_tokens}",
+                       param="sampling_params.max_new_tokens")
+    max_tokens = _max_tokens(state, len(prompt_ids), sp.max_new_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                            top_k=sp.top_k if sp.top_k not in (None, 0, -1) else None, min_p=sp.min_p, seed=sp.seed,
+                            stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                            ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
+    rid = body.rid or uuid.uuid4().hex
+    tracker = _Tracker(rid, "generate", body.session_id)
+    outputs = await _start(state, tracker, prompt_ids, params, _extras(body))
+
+    def payload() -> dict[str, Any]:
+        last = tracker.last
+        meta = {"id": rid, "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "cached_tokens": last.reuse.prefix_tokens + last.reuse.relocated_tokens,
+                "finish_reason": {"type": last.finish_reason} if last.finished else None,
+                "e2e_latency": time.perf_counter() - tracker.start_s, "reuse": last.reuse.as_dict()}
+        return {"text": "".join(o.new_text for o in tracker.outputs),
+                "output_ids": [t for o in tracker.outputs for t in o.new_token_ids], "meta_info": meta}
+
+    if body.stream:
+        async def stream() -> AsyncIterator[str]:
+            try:
+                async for _ in outputs:
+                    yield _sse(payload())
+            finally:
+                await outputs.aclose()
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream")
+    await _collect(request, outputs)
+    return JSONResponse(payload())
+
+
+# ----- the app -----------------------------------------------------------------------------------------
+
+
+def _server_info(state: ServerState) -> dict[str, Any]:
+    engine = state.engine
+    cfg = engine.config
+    return {
+        "model_path": state.settings.model_path or engine.name,
+        "tokenizer_path": state.settings.model_path or engine.name,
+        "served_model_name": engine.name,
+        "is_generation": True,
+        "context_length": engine.max_model_len,
+        "max_total_num_tokens": cfg.num_slots,
+        "max_running_requests": cfg.max_running,
+        "max_prefill_tokens": cfg.max_batch_tokens,
+        "chunked_prefill_size": cfg.max_batch_tokens,
+        "disable_radix_cache": not cfg.prefix_cache,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "dp_size": 1,
+        "tp_size": 1,
+        "host": state.settings.host,
+        "port": state.settings.port,
+        "replica_name": state.settings.replica_name,
+        "scr": {f: getattr(cfg.reuse, f) for f in cfg.reuse.__dataclass_fields__},
+        "version": "kvsplice",
+        **state.settings.extra_info,
+    }
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    def answer(status: int, body: dict[str, Any], headers: Optional[dict[str, str]] = None) -> JSONResponse:
+        state.metrics.observe_error(status)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return answer(exc.status, error_body(exc.message, exc.error_type, exc.param, exc.code), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return answer(400, error_body(message, param=param))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return answer(400, error_body(str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return answer(exc.status_code, error_body(str(exc.detail), kind, code=exc.status_code))
+
+
+def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[RequestLog] = None) -> FastAPI:
+    """A FastAPI app serving `engine` (a kvsplice Engine). The app's lifespan starts the engine thread and
+    stops it on shutdown. Request log lines go to `log` (default: stdout); metrics live in a registry private
+    to this app. The app's ServerState is at `app.state.kvsplice`."""
+    state = ServerState(engine, settings or ServerSettings(), log or RequestLog())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.async_engine.start()
+        try:
+            yield
+        finally:
+            state.async_engine.stop()
+
+    app = FastAPI(title="kvsplice", lifespan=lifespan)
+    app.state.kvsplice = state
+    _install_error_handlers(app, state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await _chat(state, request, body)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        return await _completion(state, request, body)
+
+    @app.post("/generate")
+    async def generate(body: p.GenerateRequest, request: Request) -> Response:
+        return await _generate(state, request, body)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = p.ModelCard(id=engine.name, created=state.created, root=state.settings.model_path,
+                           max_model_len=engine.max_model_len)
+        return p.ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> Response:
+        """Liveness: 200 while the engine thread runs (the model is loaded before the app starts)."""
+        if not state.async_engine.alive:
+            return JSONResponse(error_body("the engine thread died", "server_error"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    @app.get("/readiness")
+    async def readiness() -> Response:
+        """Readiness: 200 only when the engine thread answers a call between steps."""
+        if not state.async_engine.alive:
+            return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
+        try:
+            await asyncio.wait_for(state.async_engine.call(lambda: True), timeout=30)
+        except (asyncio.TimeoutError, RuntimeError) as exc:
+            return JSONResponse(error_body(f"the engine does not answer: {exc!r}", "server_error"), status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snapshot = None
+        if state.async_engine.alive:
+            snapshot = await state.async_engine.call(lambda: take_snapshot(engine))
+        return Response(state.metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return _server_info(state)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": state.settings.model_path or engine.name,
+                "tokenizer_path": state.settings.model_path or engine.name,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                "served_model_name": engine.name, "max_model_len": engine.max_model_len}
+
+    @app.post("/flush_cache")
+    @app.get("/flush_cache")
+    async def flush_cache() -> Response:
+        await state.async_engine.call(engine.flush_cache)
+        return JSONResponse({"status": "ok", "message": "cache flushed"})
+
+    return app

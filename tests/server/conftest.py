@@ -1,0 +1,88 @@
+"""Fixtures for the server tests: one tiny model directory and one real uvicorn server per session."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tiny_model import make_tiny_model_dir
+
+
+class LineSink:
+    """A text stream that keeps every written line (thread-safe), standing in for stdout."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._text = ""
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            return self._text.splitlines()
+
+
+class RunningServer:
+    """A started ServerThread plus what the tests need to look at."""
+
+    def __init__(self, thread, app, sink: LineSink, model_dir: Path):
+        self.thread, self.app, self.sink, self.model_dir = thread, app, sink, model_dir
+        self.url = thread.url
+        self.state = app.state.kvsplice
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled metric from GET /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random llama HF directory with a ChatML template (built once per session)."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+
+
+def start_server(model_dir: Path, **engine_kwargs) -> RunningServer:
+    """Build an engine on `model_dir` and serve it from a background thread on a free port."""
+    from kvsplice.config import EngineConfig
+    from kvsplice.server.api import ServerSettings
+    from kvsplice.server.launch import ServerThread, build_app
+    from kvsplice.server.request_log import RequestLog
+
+    sink = LineSink()
+    config = EngineConfig(model=str(model_dir), **engine_kwargs)
+    settings = ServerSettings(model_path=str(model_dir), replica_name="r0")
+    app = build_app(config, settings, RequestLog(sink))
+    thread = ServerThread(app)
+    thread.start()
+    response = httpx.get(f"{thread.url}/health", timeout=10)
+    assert response.status_code == 200
+    return RunningServer(thread, app, sink, model_dir)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir):
+    """The shared server: tiny model, 2048-slot pool."""
+    running = start_server(tiny_model_dir, num_slots=2048, max_batch_tokens=512)
+    yield running
+    running.thread.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """A real `openai` client pointed at the shared server."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
