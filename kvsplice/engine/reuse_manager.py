@@ -22,6 +22,7 @@ with the reason recorded in the request's ReuseStats.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req
 from kvsplice.models.config import ModelConfig
-from kvsplice.reuse.accounting import ReuseStats, SessionKind
+from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, parse_request_override
 from kvsplice.reuse.diff import diff_tokens
 from kvsplice.reuse.plan import PlanResult, SpanPlan, make_plan, prefill_breakdown
@@ -70,6 +71,9 @@ class ReuseManager:
         self.config = config
         self.rotary = rotary
         self.sessions = SessionStore(config)
+        self.flops = FlopsModel(model_config.num_layers, model_config.hidden_size, model_config.num_heads,
+                                model_config.head_dim, model_config.num_params_non_embedding,
+                                model_config.vocab_size)
         self.fallbacks: dict[str, int] = {}
         self.sessions_evicted_for_memory = 0
 
@@ -87,6 +91,12 @@ class ReuseManager:
         """Give `req` its slots (SCR plan + relocation when possible, else prefix caching);
         with `update_stats`, record where its prompt came from. False: no slots now (the request
         keeps waiting; nothing changed except session bookkeeping)."""
+        admitted = self._admit(req, update_stats)
+        if admitted and update_stats:
+            req.reuse = self._with_flops(req)
+        return admitted
+
+    def _admit(self, req: Req, update_stats: bool) -> bool:
         scr = req.scr
         if scr is None or req.wants_prompt_logprobs:
             return self._admit_plain(req, update_stats, "off", PlanResult(None, None, None))
@@ -96,6 +106,22 @@ class ReuseManager:
         if session.payload is None:
             return self._admit_plain(req, update_stats, scr.kind, PlanResult(None, "new_session", None))
         return self._admit_scr(req, scr, session, update_stats)
+
+    def _with_flops(self, req: Req) -> ReuseStats:
+        """req.reuse with the prefill FLOPs spent on the offsets it computes, and saved."""
+        prompt_len = len(req.prompt_ids)
+        pending = [o for o in req.pending if o < prompt_len]
+        ranges, start = [], None
+        for prev, offset in zip([None] + pending, pending):
+            if prev is None or offset != prev + 1:
+                if start is not None:
+                    ranges.append((start, prev + 1))
+                start = offset
+        if start is not None:
+            ranges.append((start, pending[-1] + 1))
+        spent = self.flops.prefill_flops(prompt_len, ranges)
+        saved = self.flops.saved_flops(prompt_len, 0, ranges)
+        return dataclasses.replace(req.reuse, prefill_flops=spent, saved_flops=saved)
 
     def _attach_session(self, req: Req, scr: ScrRequest) -> None:
         found = self.sessions.match(req.prompt_ids, req.namespace, req.session_id)

@@ -37,6 +37,15 @@ def position_mask(query_pos: torch.Tensor, context_pos: torch.Tensor,
     return mask
 
 
+def _is_plain_causal(query_pos: torch.Tensor, context_pos: torch.Tensor) -> bool:
+    """True when the position mask is exactly SDPA's `is_causal` (top-left aligned) mask: the
+    queries are the whole context, listed in the same, strictly increasing position order (a
+    prefill from position 0 or of a fresh span). Then entry j is visible to row i iff j <= i."""
+    if query_pos.numel() != context_pos.numel() or not torch.equal(query_pos, context_pos):
+        return False
+    return query_pos.numel() < 2 or bool((query_pos[1:] > query_pos[:-1]).all())
+
+
 def _expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     """`[C, Hkv, D]` -> `[C, Hq, D]`: each kv head serves Hq/Hkv consecutive q heads (GQA)."""
     num_kv_heads = x.shape[1]
@@ -58,13 +67,15 @@ def paged_attention(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: K
     k_layer, v_layer = pool.k_layer(layer_id), pool.v_layer(layer_id)
     for seq in batch.seqs:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
-        mask = position_mask(batch.positions[rows], seq.context_pos, sliding_window)
+        query_pos = batch.positions[rows]
+        causal = sliding_window is None and _is_plain_causal(query_pos, seq.context_pos)
+        mask = None if causal else position_mask(query_pos, seq.context_pos, sliding_window)[None, None]
         k = _expand_kv_heads(k_layer[seq.context_slots].to(q.dtype), q.shape[1])
         v = _expand_kv_heads(v_layer[seq.context_slots].to(q.dtype), q.shape[1])
         # SDPA wants [batch, heads, rows, dim]: 4-D inputs let torch pick its fused CPU kernel
         # (3-D ones fall back to the unfused math path, ~4x slower); the mask broadcasts over heads.
         attended = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask[None, None], scale=scale)
+            attn_mask=mask, is_causal=causal, scale=scale)
         out[rows] = attended[0].transpose(0, 1)
     return out

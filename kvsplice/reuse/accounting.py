@@ -9,6 +9,7 @@ Explicit counters replace the SCR overlay's inference from SGLang's double-count
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
@@ -40,6 +41,8 @@ class ReuseStats:
     span_tails: int = 0
     unchosen_spans: int = 0
     uncached_unchanged: int = 0
+    prefill_flops: int = 0     # FLOPs of the tokens computed for this prompt (FlopsModel)
+    saved_flops: int = 0       # FLOPs avoided against computing the whole prompt
 
     @classmethod
     def from_plan_result(cls, result: PlanResult, *, prompt_len: int, prefix_len: int,
@@ -79,21 +82,9 @@ class ReuseStats:
             raise AccountingError(f"{self.relocated_spans} spans but {self.relocated_tokens} relocated tokens")
 
     def as_dict(self) -> dict:
-        """The JSON `usage.reuse` object: the counters plus a nested `prefilled_breakdown`."""
-        return {
-            "prefix_tokens": self.prefix_tokens,
-            "relocated_tokens": self.relocated_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
-            "relocated_spans": self.relocated_spans,
-            "session": self.session,
-            "fallback": self.fallback,
-            "prefilled_breakdown": {
-                "changed": self.changed,
-                "span_tails": self.span_tails,
-                "unchosen_spans": self.unchosen_spans,
-                "uncached_unchanged": self.uncached_unchanged,
-            },
-        }
+        """The JSON `usage.reuse` object: every counter at top level (the prefilled breakdown
+        too: changed, span_tails, unchosen_spans, uncached_unchanged)."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from kvsplice.sampling_params import SamplingParams
 from kvsplice.server import protocol as p
 from kvsplice.server.chat import ReasoningStream, chat_prompt_ids, split_reasoning
 from kvsplice.server.metrics import ServerMetrics, take_snapshot
-from kvsplice.server.request_log import RequestLog, flatten_reuse, request_record
+from kvsplice.server.request_log import RequestLog, request_record
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
@@ -251,9 +251,8 @@ async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> N
 
 
 def _usage(out: RequestOutput, completion_tokens: Optional[int] = None) -> dict[str, Any]:
-    """`usage` of a finished request; `reuse` is ReuseStats.as_dict() plus the breakdown flattened."""
+    """`usage` of a finished request; `reuse` is ReuseStats.as_dict()."""
     reuse = out.reuse.as_dict()
-    reuse.update({k: v for k, v in flatten_reuse(reuse).items() if k not in reuse})
     completion = out.completion_tokens if completion_tokens is None else completion_tokens
     return p.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=completion,
                    total_tokens=out.prompt_tokens + completion,

@@ -1,0 +1,170 @@
+"""Edit cases for SCR fidelity: a two-turn agent chat whose second turn edits the middle of the first.
+
+A case is (turn 1 messages, turn 2 messages). Turn 2 applies one or two context edits to turn 1's
+messages plus turn 1's reply, then appends a new user message of >= 40 tokens, so the last 32 prompt
+positions are always computed, never served from a cache:
+
+    turn 1   [sys][task][notes][call 0][result 0][call 1][result 1] ... [call n][result n]
+    turn 2   [sys][task][notes][call 0][result 0]  ...edited...         [call n][result n][REPLY][ask]
+
+The assistant message whose content is REPLY_PLACEHOLDER stands for turn 1's generated reply; the
+fidelity harness puts the reply it actually generated there (`fill_reply`). Text comes from stdlib
+docstrings (`kvsplice.bench.workload.load_corpus`), so cases are deterministic on a Python build.
+
+JSONL format for `--cases FILE`, one case a line:
+    {"name": "my_case", "turn1": [{"role": ..., "content": ...}, ...], "turn2": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvsplice.bench.workload import SYSTEM_PROMPT, Document, load_corpus
+
+REPLY_PLACEHOLDER = "<<turn 1 reply>>"
+THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+FOLLOW_UP = (
+    "Thanks. Now, using only the documentation that is still in your context above, write a short summary "
+    "of how these modules fit together, name the two functions you found most useful and say why, and "
+    "list any open questions you still have before calling the next tool."
+)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class CasesFileError(ValueError):
+    """A malformed line in a cases file; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class EditCase:
+    """One fidelity case: `turn1` messages, `turn2` messages (one may be the reply placeholder)."""
+
+    name: str
+    turn1: tuple[dict[str, Any], ...]
+    turn2: tuple[dict[str, Any], ...]
+
+
+def fill_reply(messages: tuple[dict[str, Any], ...], reply: str) -> list[dict[str, Any]]:
+    """`messages` with every REPLY_PLACEHOLDER content replaced by `reply` (new dicts; input untouched)."""
+    return [{**m, "content": reply} if m.get("content") == REPLY_PLACEHOLDER else dict(m) for m in messages]
+
+
+def _words(rng: random.Random, corpus: tuple[Document, ...], n_words: int) -> tuple[str, str]:
+    start = rng.randrange(len(corpus))
+    words: list[str] = []
+    offset = start
+    while len(words) < n_words:
+        words.extend(corpus[offset % len(corpus)].words)
+        offset += 1
+    return corpus[start].title, " ".join(words[:n_words])
+
+
+def _agent_turn1(rng: random.Random, corpus: tuple[Document, ...], n_steps: int,
+                 result_words: int) -> list[dict[str, Any]]:
+    """System prompt, task, notes, then `n_steps` of (assistant <think> + tool call, tool result)."""
+    _, task = _words(rng, corpus, 14)
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"Task: explain how these fit together, citing the docs. Context: {task}"},
+        {"role": "user", "content": "Working notes:\n- (none yet)"},
+    ]
+    for step in range(n_steps):
+        _, reasoning = _words(rng, corpus, 40)
+        title, result = _words(rng, corpus, result_words)
+        messages.append({"role": "assistant", "content": (
+            f"<think>I should check {title} next. {reasoning}</think>\n"
+            f"read_doc({json.dumps({'name': title})})")})
+        messages.append({"role": "tool", "content": f"Documentation of {title}:\n{result}"})
+    return messages
+
+
+def _tool_offsets(messages: list[dict[str, Any]]) -> list[int]:
+    return [offset for offset, m in enumerate(messages) if m["role"] == "tool"]
+
+
+def _delete_result(messages: list[dict[str, Any]], tool_offset: int) -> list[dict[str, Any]]:
+    # The call goes with its result, as an agent must do for OpenAI-style tool calls.
+    return messages[: tool_offset - 1] + messages[tool_offset + 1:]
+
+
+def _replace_with_note(messages: list[dict[str, Any]], tool_offset: int) -> list[dict[str, Any]]:
+    gist = " ".join(messages[tool_offset]["content"].split()[:12])
+    note = {**messages[tool_offset], "content": f"[note] Result removed to save context. It began: {gist} ..."}
+    return messages[:tool_offset] + [note] + messages[tool_offset + 1:]
+
+
+def _strip_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**m, "content": THINK_RE.sub("", m["content"])} if m["role"] == "assistant" else m
+            for m in messages]
+
+
+def _insert_note(messages: list[dict[str, Any]], at: int) -> list[dict[str, Any]]:
+    note = {"role": "user", "content": "Note: the result above is the most relevant one so far; keep it in mind."}
+    return messages[:at] + [note] + messages[at:]
+
+
+def builtin_cases(seed: int = 0) -> list[EditCase]:
+    """The five built-in cases (delete a tool result, replace one by a note, strip reasoning, insert a
+    note, two edits at once) on 1.5K-4K-token chats; deterministic for `seed` on a Python build."""
+    corpus = load_corpus()
+    edits = (
+        ("delete_tool_result", lambda m: _delete_result(m, _tool_offsets(m)[1])),
+        ("replace_with_note", lambda m: _replace_with_note(m, _tool_offsets(m)[1])),
+        ("strip_reasoning", _strip_reasoning),
+        ("insert_note", lambda m: _insert_note(m, _tool_offsets(m)[1] + 1)),
+        ("two_edits", lambda m: _replace_with_note(_delete_result(m, _tool_offsets(m)[2]), _tool_offsets(m)[0])),
+    )
+    cases = []
+    for number, (name, edit) in enumerate(edits):
+        rng = random.Random(f"kvsplice-fidelity:{seed}:{number}")
+        turn1 = _agent_turn1(rng, corpus, n_steps=5, result_words=rng.randint(220, 420))
+        turn2 = edit(turn1 + [{"role": "assistant", "content": REPLY_PLACEHOLDER}])
+        turn2 = turn2 + [{"role": "user", "content": FOLLOW_UP}]
+        cases.append(EditCase(name, tuple(turn1), tuple(turn2)))
+    return cases
+
+
+def _check_messages(value: Any, key: str, where: str) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list) or not value:
+        raise CasesFileError(f"{where}: {key!r} must be a non-empty list of messages")
+    for number, message in enumerate(value):
+        if (not isinstance(message, dict) or message.get("role") not in ROLES
+                or not isinstance(message.get("content"), str)):
+            raise CasesFileError(f"{where}: {key}[{number}] must be an object with a role in {ROLES} "
+                                 f"and a string content")
+    return tuple(value)
+
+
+def parse_case_line(line: str, where: str) -> EditCase:
+    """One JSONL line as an EditCase; raises CasesFileError prefixed with `where` (e.g. "cases.jsonl:3")."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CasesFileError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise CasesFileError(f"{where}: expected an object with name, turn1, turn2")
+    missing = [key for key in ("name", "turn1", "turn2") if key not in obj]
+    if missing:
+        raise CasesFileError(f"{where}: missing {', '.join(missing)}")
+    if not isinstance(obj["name"], str) or not obj["name"]:
+        raise CasesFileError(f"{where}: 'name' must be a non-empty string")
+    return EditCase(obj["name"], _check_messages(obj["turn1"], "turn1", where),
+                    _check_messages(obj["turn2"], "turn2", where))
+
+
+def load_cases(path: str | Path) -> list[EditCase]:
+    """Cases from a JSONL file (blank lines skipped). Raises CasesFileError naming the first bad line,
+    or saying the file holds no case; OSError if it cannot be read."""
+    cases = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if line.strip():
+                cases.append(parse_case_line(line, f"{path}:{line_number}"))
+    if not cases:
+        raise CasesFileError(f"{path}: no cases")
+    return cases
