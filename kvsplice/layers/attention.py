@@ -46,15 +46,6 @@ def _is_plain_causal(query_pos: torch.Tensor, context_pos: torch.Tensor) -> bool
     return query_pos.numel() < 2 or bool((query_pos[1:] > query_pos[:-1]).all())
 
 
-def _expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
-    """`[C, Hkv, D]` -> `[C, Hq, D]`: each kv head serves Hq/Hkv consecutive q heads (GQA)."""
-    num_kv_heads = x.shape[1]
-    if num_kv_heads == num_q_heads:
-        return x
-    group = num_q_heads // num_kv_heads
-    return x[:, :, None, :].expand(-1, -1, group, -1).reshape(x.shape[0], num_q_heads, x.shape[2])
-
-
 def paged_attention(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool, scale: float,
                     sliding_window: Optional[int] = None) -> torch.Tensor:
     """Attention of `q [T, Hq, D]` (already rotated) over each request's context in `pool`.
@@ -70,12 +61,14 @@ def paged_attention(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: K
         query_pos = batch.positions[rows]
         causal = sliding_window is None and _is_plain_causal(query_pos, seq.context_pos)
         mask = None if causal else position_mask(query_pos, seq.context_pos, sliding_window)[None, None]
-        k = _expand_kv_heads(k_layer[seq.context_slots].to(q.dtype), q.shape[1])
-        v = _expand_kv_heads(v_layer[seq.context_slots].to(q.dtype), q.shape[1])
+        k = k_layer[seq.context_slots].to(q.dtype)  # [C, Hkv, D]
+        v = v_layer[seq.context_slots].to(q.dtype)
         # SDPA wants [batch, heads, rows, dim]: 4-D inputs let torch pick its fused CPU kernel
         # (3-D ones fall back to the unfused math path, ~4x slower); the mask broadcasts over heads.
+        # enable_gqa expands the kv heads inside SDPA, q head h reading kv head h // (Hq / Hkv)
+        # exactly as transformers' repeat_kv, without copying K/V once per q head.
         attended = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=causal, scale=scale)
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
         out[rows] = attended[0].transpose(0, 1)
     return out

@@ -83,3 +83,18 @@ def test_bf16_query_against_fp32_pool(torch_seed):
     out = paged_attention(q.to(torch.bfloat16), 0, batch, pool, D ** -0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), _naive_attention(q, k, v, pos, pos), atol=0.05, rtol=0.05)
+
+
+def test_plain_causal_prefill_shortcut_equals_position_mask(torch_seed):
+    """Ordered context == queries takes SDPA's is_causal path; listing it permuted takes the mask path."""
+    pool = KVPool(16, 1, HKV, D)
+    slots, pos = torch.arange(3, 13), torch.arange(10)
+    k, v, q = torch.randn(10, HKV, D), torch.randn(10, HKV, D), torch.randn(10, HQ, D)
+    store_kv(k, v, 0, slots, pool)
+    ids = torch.zeros(10, dtype=torch.long)
+    ordered = ForwardBatch.single(ids, pos, slots, slots, pos, all_logits=True)
+    order = torch.randperm(10)
+    permuted = ForwardBatch.single(ids, pos, slots, slots[order], pos[order], all_logits=True)
+    fast = paged_attention(q, 0, ordered, pool, D ** -0.5)
+    torch.testing.assert_close(fast, paged_attention(q, 0, permuted, pool, D ** -0.5), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fast, _naive_attention(q, k, v, pos, pos), atol=1e-5, rtol=1e-5)
