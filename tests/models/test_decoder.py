@@ -163,9 +163,12 @@ def test_bf16_model_close_to_fp32_transformers():
     assert (logits - expected).abs().max() <= 0.05 * expected.abs().max()
 
 
-def test_tied_lm_head_shares_embedding():
-    _, ours, _, _ = _pair("llama_tied")
+def test_tied_lm_head_shares_embedding_and_may_be_absent():
+    hf_model, ours, _, _ = _pair("llama_tied")
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    sd = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    ours.load_hf_state_dict({**sd, "model.embed_tokens.weight": torch.ones_like(sd["model.embed_tokens.weight"])})
+    assert bool((ours.lm_head.weight == 1).all())
 
 
 def test_load_rejects_missing_unexpected_and_misshapen_keys():
