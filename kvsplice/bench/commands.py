@@ -36,7 +36,33 @@ def _bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--session-ids", action="store_true", help="send session_id = conversation id")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--sweep", default=None, metavar="N1,N2,...",
+                        help="sweep mode: for each count, flush the server cache and replay that many "
+                             "conversations at once; writes sweep.json/.md/.png into --sweep-out")
+    parser.add_argument("--sweep-out", default="sweep", help="output directory of --sweep (default sweep)")
     return parser
+
+
+def _sweep(args: argparse.Namespace, conversations: list) -> int:
+    from pathlib import Path
+
+    import httpx
+
+    from kvsplice.bench.sweep import format_sweep, sweep, write_sweep
+    try:
+        counts = [int(part) for part in args.sweep.split(",") if part.strip()]
+        points = sweep(args.url, conversations, counts, send_session_id=args.session_ids,
+                       progress=not args.no_progress)
+    except ValueError as error:
+        print(f"kvsplice bench: bad --sweep: {error}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as error:
+        print(f"kvsplice bench: the server failed during the sweep: {error}", file=sys.stderr)
+        return 1
+    print(format_sweep(points), end="")
+    written = write_sweep(points, Path(args.sweep_out))
+    print(f"wrote {', '.join(str(path) for path in written)}")
+    return 1 if any(point.errors for point in points) else 0
 
 
 def bench_main(argv: list[str]) -> int:
@@ -56,6 +82,8 @@ def bench_main(argv: list[str]) -> int:
     except (TraceError, OSError) as error:
         print(f"kvsplice bench: cannot read trace: {error}", file=sys.stderr)
         return 2
+    if args.sweep is not None:
+        return _sweep(args, conversations)
     records = replay(args.url, conversations, concurrency=args.concurrency, model=args.model, out_path=args.out,
                      progress=not args.no_progress, scr=args.scr, timeout_s=args.timeout,
                      send_session_id=args.session_ids)

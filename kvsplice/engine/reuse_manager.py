@@ -104,7 +104,10 @@ class ReuseManager:
             self._attach_session(req, scr)
         session = scr.session
         if session.payload is None:
-            return self._admit_plain(req, update_stats, scr.kind, PlanResult(None, "new_session", None))
+            # a new conversation is no fallback; a matched one whose K/V is not there yet (its
+            # previous turn still running) is
+            reason = None if scr.kind == "new" else "session_has_no_kv"
+            return self._admit_plain(req, update_stats, scr.kind, PlanResult(None, reason, None))
         return self._admit_scr(req, scr, session, update_stats)
 
     def _with_flops(self, req: Req) -> ReuseStats:

@@ -1,0 +1,57 @@
+"""The hit rate is the workload: prefix hit rate, relocated share and TTFT against the number of
+concurrent agent conversations, with the KV pool fixed.
+
+    python benchmarks/hit_rate_sweep.py [--model DIR] [--num-slots 12000] [--counts 1,2,4,8] [--out runs/sweep]
+
+Starts one kvsplice server (default model unless --model) with a pool of --num-slots tokens, writes a
+synthetic agent trace, and runs `kvsplice bench --sweep` against it: for each count the cache is
+flushed and that many conversations run at once. Prints the table; writes sweep.json/.md/.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvsplice.bench.sweep import format_sweep, sweep, write_sweep
+from kvsplice.bench.workload import generate_traces
+from kvsplice.config import EngineConfig
+from kvsplice.server.api import ServerSettings
+from kvsplice.server.launch import ServerThread, build_app
+from kvsplice.server.request_log import RequestLog
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-slots", type=int, default=12_000)
+    parser.add_argument("--counts", default="1,2,4,8")
+    parser.add_argument("--min-tokens", type=int, default=1200)
+    parser.add_argument("--max-tokens", type=int, default=2400)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/sweep")
+    args = parser.parse_args()
+
+    counts = [int(part) for part in args.counts.split(",")]
+    conversations = generate_traces(max(counts), args.seed, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                                    min_turns=args.turns, max_turns=args.turns, max_output_tokens=16)
+    config = EngineConfig(model=args.model, num_slots=args.num_slots)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "server.log", "w") as log:
+        app = build_app(config, ServerSettings(model_path=args.model), RequestLog(log))
+        server = ServerThread(app)
+        server.start(timeout_s=300)
+        try:
+            points = sweep(server.url, conversations, counts, send_session_id=True, progress=True)
+        finally:
+            server.stop()
+    print(f"pool: {args.num_slots} slots; conversations of {args.min_tokens}-{args.max_tokens} tokens, "
+          f"{args.turns} turns; turns after the first only")
+    print(format_sweep(points), end="")
+    write_sweep(points, out)
+
+
+if __name__ == "__main__":
+    main()
