@@ -39,6 +39,7 @@ from kvsplice.sampling_params import SamplingParams
 from kvsplice.server import protocol as p
 from kvsplice.server.chat import ReasoningStream, chat_prompt_ids, split_reasoning
 from kvsplice.server.metrics import ServerMetrics, take_snapshot
+from kvsplice.server.replica import install_router_routes, request_session_id
 from kvsplice.server.request_log import RequestLog, request_record
 
 RETRY_AFTER_S = 1
@@ -100,7 +101,7 @@ class ServerState:
         self.async_engine = AsyncEngine(engine)
         self.settings = settings
         self.log = log
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(settings.replica_name)
         self.created = int(time.time())
 
     @property
@@ -265,9 +266,9 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _extras(body) -> dict[str, Any]:
+def _extras(body, session_id: Optional[str]) -> dict[str, Any]:
     """kvsplice's per-request fields for AsyncEngine.generate."""
-    return {"cache_salt": body.cache_salt, "session_id": body.session_id, "scr": body.scr}
+    return {"cache_salt": body.cache_salt, "session_id": session_id, "scr": body.scr}
 
 
 # ----- logprobs formats --------------------------------------------------------------------------------
@@ -312,8 +313,10 @@ async def _chat(state: ServerState, request: Request, body: p.ChatCompletionRequ
     top_n = body.top_logprobs or 0
     params = _sampling(body, max_tokens, top_n if body.logprobs else None, None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = _Tracker(rid, "chat", body.session_id)
-    outputs = await _start(state, tracker, prompt_ids, params, _extras(body))
+    # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
+    session_id = request_session_id(body.session_id, request.headers)
+    tracker = _Tracker(rid, "chat", session_id)
+    outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
     head = {"id": rid, "created": int(time.time()), "model": state.engine.name}
     tokenizer = state.engine.tokenizer
     if body.stream:
@@ -379,8 +382,10 @@ async def _completion(state: ServerState, request: Request, body: p.CompletionRe
     prompt_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
     params = _sampling(body, max_tokens, body.logprobs, prompt_lps)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    tracker = _Tracker(rid, "completions", body.session_id)
-    outputs = await _start(state, tracker, prompt_ids, params, _extras(body))
+    # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
+    session_id = request_session_id(body.session_id, request.headers)
+    tracker = _Tracker(rid, "completions", session_id)
+    outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
     head = {"id": rid, "created": int(time.time()), "model": state.engine.name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -448,8 +453,10 @@ async def _generate(state: ServerState, request: Request, body: p.GenerateReques
                             stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
                             ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
     rid = body.rid or uuid.uuid4().hex
-    tracker = _Tracker(rid, "generate", body.session_id)
-    outputs = await _start(state, tracker, prompt_ids, params, _extras(body))
+    # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
+    session_id = request_session_id(body.session_id, request.headers)
+    tracker = _Tracker(rid, "generate", session_id)
+    outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
 
     def payload() -> dict[str, Any]:
         last = tracker.last
@@ -608,4 +615,5 @@ def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[
         await state.async_engine.call(engine.flush_cache)
         return JSONResponse({"status": "ok", "message": "cache flushed"})
 
+    install_router_routes(app)
     return app

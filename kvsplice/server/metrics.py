@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -104,8 +104,12 @@ class _EngineCollector:
 class ServerMetrics:
     """The metrics of one app. `registry` is private to it; `render()` gives the exposition text."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica_name: Optional[str] = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # one constant series naming the replica, so a fleet's scrapes can be told apart
+        self.replica = Gauge("kvsplice_replica_info", "this server's replica name (value is always 1)",
+                             ("replica",), registry=self.registry)
+        self.replica.labels(replica_name or "").set(1)
         self.requests = Counter("kvsplice_requests", "requests answered, by endpoint and finish reason",
                                 ("endpoint", "finish_reason"), registry=self.registry)
         self.request_errors = Counter("kvsplice_request_errors", "requests refused or failed, by HTTP status",

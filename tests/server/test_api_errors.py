@@ -105,9 +105,9 @@ def test_echo_prompt_logprobs_match_transformers(server, client):
 
 
 def test_full_queue_answers_503_with_retry_after(tiny_model_dir):
-    busy = start_server(tiny_model_dir, num_slots=1024, max_running=1, max_waiting=1)
+    busy = start_server(tiny_model_dir, num_slots=4096, max_running=1, max_waiting=1)
     try:
-        long_body = _chat(max_tokens=600, ignore_eos=True, temperature=0)
+        long_body = _chat(max_tokens=3000, ignore_eos=True, temperature=0)  # busy for seconds
         runners = [threading.Thread(target=_post, args=(busy, "/v1/chat/completions"), kwargs={"json": long_body})
                    for _ in range(2)]
         for runner in runners:

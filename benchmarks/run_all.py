@@ -1,0 +1,136 @@
+"""Regenerate docs/BENCHMARKS.md: run every benchmark, keep its printed figures, assemble the page.
+
+    python benchmarks/run_all.py                    # everything (about an hour on 2 CPU cores)
+    python benchmarks/run_all.py --only engine_speed,scr_plan_speed
+
+Each benchmark's stdout is stored in docs/benchmarks/<name>.txt; the page is rebuilt from all stored
+outputs, so `--only` refreshes some sections and keeps the others as they were last measured. Every
+section shows the exact command that produced its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUTS = ROOT / "docs" / "benchmarks"
+PAGE = ROOT / "docs" / "BENCHMARKS.md"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    title: str
+    issue: str
+    command: str
+    shows: str
+
+
+BENCHMARKS = (
+    Benchmark("engine_speed", "Engine speed against transformers (same weights, same process)", "engine core",
+              "python benchmarks/engine_speed.py --out runs/engine_speed.json",
+              "Prefill tokens/s of one 2,048-token prompt and decode tokens/s at 1 and 8 concurrent requests, each "
+              "as a ratio against transformers' forward / generate() on the same weights; prefill MFU against the "
+              "fp32 matmul peak measured in the same run. Goals: prefill >= 1.0x, 8-way decode >= 2x transformers' "
+              "one-at-a-time generate."),
+    Benchmark("serve_load", "Server under load: 32 clients x 4 turns", "server",
+              "python benchmarks/serve_load.py --out runs/serve_load.json",
+              "32 concurrent streaming chat clients, 4 turns each, against `kvsplice serve` on the default model: "
+              "errors (must be 0), throughput, TTFT p50/p99, and the share of prompt tokens served from cache."),
+    Benchmark("scr_plan_speed", "SCR planning cost: match + diff + plan", "SCR",
+              "python benchmarks/scr_plan_speed.py",
+              "The pure-Python SCR front half (session match over 16 sessions sharing a system prompt, token diff, "
+              "span plan) for 8K, 32K and 128K-token sequences with a realistic edit."),
+    Benchmark("scr_edit", "SCR on edited turns: computed tokens and TTFT", "SCR",
+              "python benchmarks/scr_edit.py --out runs/scr_edit.json",
+              "Multi-turn edited conversations on the default model, same server run: prompt tokens computed per "
+              "edited turn and TTFT for SCR, prefix caching alone, and the lower bound (changed + appended tokens)."),
+    Benchmark("fidelity", "SCR fidelity against exact recompute", "SCR / report",
+              "kvsplice fidelity --out runs/fidelity",
+              "Built-in edit cases on 1.5K-4K-token chats with the default model: KL(exact || SCR) over the last 32 "
+              "prompt positions, top-1 agreement, greedy agreement over 32 tokens; sweeps over K and tail; the "
+              "NO_REROTATE control. Targets: mean KL <= 0.005 nats and top-1 >= 99% at K=6/tail=16; NO_REROTATE >= "
+              "100x worse."),
+    Benchmark("scr_replay", "Agent-trace replay, SCR on vs off", "report",
+              "python benchmarks/scr_replay.py --out runs/scr_replay",
+              "The same synthetic context-editing agent trace replayed against two servers (SCR on, SCR off) on the "
+              "default model; `kvsplice report RUN_ON --vs RUN_OFF`: prompt tokens by compute type for all and for "
+              "edited turns, prefilled tokens, prefill FLOPs, TTFT."),
+    Benchmark("hit_rate_sweep", "The hit rate is the workload", "report",
+              "python benchmarks/hit_rate_sweep.py --out runs/sweep",
+              "Concurrent agent conversations against one fixed KV pool: prefix hit rate, relocated share and TTFT "
+              "as the number of conversations grows and eviction starts to cost."),
+    Benchmark("router_policies", "Routing policy and reuse: 3 replicas behind sglang-router", "scale-out",
+              "python benchmarks/router_policies.py --out runs/router_policies.json",
+              "The same multi-session edited workload through sglang-router with each policy: prefix and relocated "
+              "shares, prefilled tokens and TTFT per policy."),
+    Benchmark("hybrid_speed", "Hybrid (Gated DeltaNet) model speed against transformers", "hybrid",
+              "python benchmarks/hybrid_speed.py",
+              "Prefill and decode speed of a hybrid linear-attention model against transformers on the same weights."),
+)
+
+
+def machine_line() -> str:
+    import torch
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
+
+
+def run(bench: Benchmark) -> str:
+    """Run one benchmark from the repository root; return its stdout (with the exit status noted)."""
+    done = subprocess.run(bench.command, shell=True, cwd=ROOT, capture_output=True, text=True)
+    text = done.stdout.strip()
+    if done.returncode != 0:
+        text += f"\n\n[exit status {done.returncode}]\n{done.stderr.strip()[-2000:]}"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"measured {stamp} on {machine_line()}\n\n{text}\n"
+
+
+def assemble() -> str:
+    parts = ["# kvsplice benchmarks", "",
+             "Every figure below was printed by the command shown above it. Regenerate the page with "
+             "`python benchmarks/run_all.py` (or `--only NAME,...` for some sections). Ratios are against a "
+             "baseline run in the same process or script. Figures measured on a shared 2-core machine "
+             "carry that noise; TTFT most of all.", ""]
+    for bench in BENCHMARKS:
+        stored = OUTPUTS / f"{bench.name}.txt"
+        parts += [f"## {bench.title}", "", f"Issue: {bench.issue}. {bench.shows}", "",
+                  "```bash", bench.command, "```", ""]
+        parts += ["```", stored.read_text().rstrip(), "```"] if stored.exists() else ["Not measured yet."]
+        notes = OUTPUTS / f"{bench.name}.notes.md"
+        if notes.exists():
+            parts += ["", notes.read_text().rstrip()]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="comma-separated benchmark names")
+    parser.add_argument("--assemble-only", action="store_true", help="rebuild the page from stored outputs")
+    args = parser.parse_args()
+    names = {b.name for b in BENCHMARKS}
+    chosen = names if args.only is None else set(args.only.split(","))
+    if chosen - names:
+        print(f"unknown benchmark(s): {sorted(chosen - names)}; known: {sorted(names)}", file=sys.stderr)
+        return 2
+    OUTPUTS.mkdir(parents=True, exist_ok=True)
+    if not args.assemble_only:
+        for bench in BENCHMARKS:
+            if bench.name in chosen:
+                print(f"running {bench.name}: {bench.command}", flush=True)
+                (OUTPUTS / f"{bench.name}.txt").write_text(run(bench))
+    PAGE.write_text(assemble())
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
