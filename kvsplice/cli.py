@@ -1,9 +1,10 @@
-"""The `kvsplice` command: serve | generate | pull | bench | report | workload.
+"""The `kvsplice` command: serve | generate | pull | bench | report | workload | fidelity.
 
     kvsplice serve [--model M | --model-path M] [--host H] [--port P] [engine flags] [SCR flags]
     kvsplice generate [--model M] --prompt TEXT [--max-tokens N] [--temperature T] [--seed S] [--chat]
     kvsplice pull                      fetch and convert the default model
     kvsplice bench | report | workload (see kvsplice/bench/commands.py)
+    kvsplice fidelity (see kvsplice/bench/fidelity.py)
 
 Engine flags mirror EngineConfig; SCR flags mirror `kvsplice.reuse.config.ENV_TABLE`. Precedence for SCR
 settings: command-line flag > KVREUSE_* environment variable > default. Bad input exits with status 2 and
@@ -92,7 +93,7 @@ def _check_model_arg(model: Optional[str]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of serve / generate / pull (bench, report, workload parse their own argv)."""
     parser = argparse.ArgumentParser(prog="kvsplice", description="LLM serving with Suffix Cache Reuse.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,pull,bench,report,workload}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,pull,bench,report,workload,fidelity}")
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
     sub.add_parser("pull", help="fetch and convert the default model")
-    for name in ("bench", "report", "workload"):
+    for name in PASS_THROUGH:
         sub.add_parser(name, help=f"see `kvsplice {name} --help`", add_help=False)
     return parser
 
@@ -153,13 +154,25 @@ def _pull(_: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(name: str):
+    """The `*_main(argv) -> int` of a subcommand that parses its own arguments (imported lazily)."""
+    def load():
+        if name == "fidelity":
+            from kvsplice.bench.fidelity import fidelity_main
+            return fidelity_main
+        from kvsplice.bench import commands
+        return getattr(commands, f"{name}_main")
+    return load
+
+
+PASS_THROUGH = {name: _bench_command(name) for name in ("bench", "report", "workload", "fidelity")}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `kvsplice` command; returns the exit status (2 for bad input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("bench", "report", "workload"):
-        from kvsplice.bench import commands
-
-        return getattr(commands, f"{argv[0]}_main")(argv[1:])
+    if argv and argv[0] in PASS_THROUGH:
+        return PASS_THROUGH[argv[0]]()(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -11,9 +11,9 @@ message): KL(exact || SCR) in nats from float64 log_softmax, mean and p90, and t
 the N generated tokens: the fraction equal before the first divergence and an exact-match flag; and
 the relocated / prefilled / prefix token counts of turn 2.
 
-All engines share one loaded Decoder (the checkpoint is read once); each setting gets a fresh Engine
-(its own pool, radix tree and sessions), and the cache is flushed between cases so no case sees another's
-K/V except through the exact radix prefix of the shared system prompt.
+All engines share one loaded Decoder (the checkpoint is read once); each case gets a fresh Engine
+(its own pool, radix tree and sessions), and every setting starts from turn 1's prompt in the radix
+tree and nothing else (see `Harness`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ TURN1_REPLY_TOKENS = 16
 DEFAULT_KS = (0, 1, 2, 4, 6, 8)
 DEFAULT_TAILS = (4, 8, 16, 32)
 BASE_K, BASE_TAIL = 6, 16
-POOL_SLOTS = 12_288  # two ~4K-token sequences plus a session: one case at a time
+POOL_SLOTS = 8_192  # the reference engine: one prompt of up to ~4K tokens at a time
+CASE_POOL_SLOTS = 32_768  # one case: turn 1, its sessions (idle ones are dropped when short), turn 2
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,11 @@ class Setting:
     tail: int
     no_rerotate: bool = False
 
-    def reuse_config(self, base: ReuseConfig) -> ReuseConfig:
-        """`base` with this setting's K, tail and rotation control (SCR disabled when K == 0)."""
-        return base.replace(enabled=self.max_spans > 0, max_spans=self.max_spans, tail=self.tail,
-                            no_rerotate=self.no_rerotate)
+    def request_scr(self) -> str | dict:
+        """The per-request `scr` field for this setting ("off" when K == 0)."""
+        if self.max_spans == 0:
+            return "off"
+        return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate}
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 # ----- running ------------------------------------------------------------------------------
 class Harness:
-    """One loaded model and an exact-reference engine; builds an SCR engine per setting around the
-    same Decoder. `run_setting` is the unit of work."""
+    """One loaded model: an exact-reference engine (prefix_cache=False) and, per case, a fresh SCR
+    engine around the same Decoder.
+
+    Within a case every setting runs under its own session id with per-request `scr` settings.
+    Turn 1's prompt is prefilled once and its radix path locked by the harness; after each setting
+    `flush_cache` drops every session and every other radix entry, so each setting starts from the
+    state a fresh engine has after prefilling turn 1's prompt (exact K/V either way).
+    """
 
     def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None):
         self.reference = build_engine(EngineConfig(model=model, prefix_cache=False, num_slots=POOL_SLOTS))
@@ -138,10 +146,10 @@ class Harness:
         self.base = base or ReuseConfig()
         self._exact_cache: dict[tuple[int, ...], GenerationResult] = {}
 
-    def engine_for(self, setting: Setting) -> Engine:
-        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder."""
+    def case_engine(self) -> Engine:
+        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder, SCR on."""
         ref = self.reference
-        config = EngineConfig(num_slots=POOL_SLOTS, reuse=setting.reuse_config(self.base))
+        config = EngineConfig(num_slots=CASE_POOL_SLOTS, reuse=self.base.replace(enabled=True))
         return Engine(ref.runner.model, ref.model_config, ref.tokenizer, config, name=ref.name)
 
     def _params(self, max_tokens: int) -> SamplingParams:
@@ -156,21 +164,31 @@ class Harness:
                                                   keep_last_logits=LOGIT_POSITIONS)[0]
         return self._exact_cache[key]
 
-    def run_case(self, engine: Engine, setting: Setting, case: EditCase) -> CaseResult:
-        """Turn 1 then turn 2 of `case` on `engine` (one session), compared with the exact turn 2."""
-        llm = LLM(engine=engine)
+    def run_turns(self, llm: LLM, setting: Setting, case: EditCase) -> CaseResult:
+        """Turn 1 then turn 2 of `case` under `setting` in one session; compared with the exact turn 2."""
+        scr = setting.request_scr()
+        session_id = f"{case.name}/{setting.label}"
         turn1_ids = self.tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
-        first = llm.generate([turn1_ids], self._params(TURN1_REPLY_TOKENS), session_id=case.name)[0]
+        first = llm.generate([turn1_ids], self._params(TURN1_REPLY_TOKENS), session_id=session_id, scr=scr)[0]
         turn2_ids = self.tokenizer.apply_chat_template(fill_reply(case.turn2, first.text), add_generation_prompt=True)
-        second = llm.generate([turn2_ids], self._params(self.gen_tokens), session_id=case.name,
+        second = llm.generate([turn2_ids], self._params(self.gen_tokens), session_id=session_id, scr=scr,
                               keep_last_logits=LOGIT_POSITIONS)[0]
-        engine.flush_cache()
+        llm.engine.flush_cache()
         return compare(setting, case.name, self.exact(turn2_ids), second)
 
-    def run_setting(self, setting: Setting, cases: Sequence[EditCase]) -> list[CaseResult]:
-        """Every case under `setting`, on one fresh engine."""
-        engine = self.engine_for(setting)
-        return [self.run_case(engine, setting, case) for case in cases]
+    def run_case(self, case: EditCase, settings: Sequence[Setting]) -> list[CaseResult]:
+        """Every setting on `case`, on one fresh engine (see the class docstring)."""
+        engine = self.case_engine()
+        llm = LLM(engine=engine)
+        turn1_ids = self.tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
+        llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once
+        radix = engine.cache.radix
+        turn1 = radix.match_prefix(turn1_ids, None)
+        radix.lock(turn1.node)
+        try:
+            return [self.run_turns(llm, setting, case) for setting in settings]
+        finally:
+            radix.unlock(turn1.node)
 
 
 def compare(setting: Setting, case_name: str, exact: GenerationResult, approx: GenerationResult) -> CaseResult:
@@ -178,9 +196,9 @@ def compare(setting: Setting, case_name: str, exact: GenerationResult, approx: G
     if exact.prompt_token_ids != approx.prompt_token_ids:
         raise ValueError(f"{case_name}: exact and SCR prompts differ")
     kls = list(kl_per_position(exact.prompt_logits, approx.prompt_logits).values())
-    stats = approx.reuse
+    stats, prompt_tokens = approx.reuse, len(approx.prompt_token_ids)
     return CaseResult(
-        setting=setting.label, case=case_name, prompt_tokens=len(approx.prompt_token_ids),
+        setting=setting.label, case=case_name, prompt_tokens=prompt_tokens,
         prefix_tokens=stats.prefix_tokens, relocated_tokens=stats.relocated_tokens,
         prefilled_tokens=stats.prefilled_tokens, relocated_spans=stats.relocated_spans,
         fallback=stats.fallback, kl_mean=sum(kls) / len(kls), kl_p90=percentile(kls, 0.9), kl_max=max(kls),
@@ -262,14 +280,14 @@ def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir:
 def run_sweep(harness: Harness, settings: Sequence[Setting], cases: Sequence[EditCase],
               log=print) -> tuple[list[CaseResult], list[dict]]:
     """Every setting over every case; returns the per-case results and one summary per setting."""
-    results, summaries = [], []
-    for setting in settings:
+    results: list[CaseResult] = []
+    for case in cases:
         started = time.perf_counter()
-        rows = harness.run_setting(setting, cases)
+        rows = harness.run_case(case, settings)
         results += rows
-        summaries.append(summarize(rows))
-        log(f"{setting.label}: mean KL {summaries[-1]['kl_mean']:.5f}  top-1 {summaries[-1]['top1_agreement']:.3f}"
-            f"  ({time.perf_counter() - started:.1f} s)")
+        log(f"{case.name}: " + ", ".join(f"{r.setting} KL {r.kl_mean:.4f}" for r in rows)
+            + f"  ({time.perf_counter() - started:.1f} s)")
+    summaries = [summarize([r for r in results if r.setting == s.label]) for s in settings]
     return results, summaries
 
 
