@@ -49,6 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-running", type=int, default=None, help="requests decoding at once")
     group.add_argument("--max-waiting", type=int, default=None, help="queue length beyond which requests get 503")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
+    group.add_argument("--num-state-slots", type=int, default=None,
+                       help="recurrent-state slots of a hybrid model (default from --max-running)")
     group.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     scr = parser.add_argument_group("suffix cache reuse (flag > env var > default)")
     scr.add_argument("--no-scr", action="store_true", help="turn SCR off (same as --scr-enabled 0)")
@@ -77,7 +79,7 @@ def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
                               "prefix_cache": not args.no_prefix_cache,
                               "reuse": reuse_config_from_args(args, environ)}
-    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len"):
+    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

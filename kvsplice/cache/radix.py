@@ -37,10 +37,12 @@ class TreeNode:
     A root has `parent is None`, an empty key and no slots; it is never evicted and never counted
     in the sizes.
 
-    `state_checkpoint` is reserved for hybrid (linear-attention) models: the recurrent and conv
-    states after this node's last token, so a match ending here can resume the recurrence. The
-    radix cache itself never reads or writes it (not implemented yet); evicting or splitting a node
-    drops it (a split prefix starts with `None`, the deeper part keeps it).
+    `state_checkpoint` is for hybrid (linear-attention) models: the StatePool slot holding the
+    conv and recurrent states after this node's last token (exact: computed on this very prefix),
+    so a match ending here can resume the recurrence. Set it with `RadixCache.set_checkpoint`; the
+    tree then holds that state slot and frees it when the node is evicted. Splitting a node keeps
+    it on the deeper part (it is the state after the deeper part's last token); the new prefix
+    node starts with `None`.
     """
 
     __slots__ = ("node_id", "key", "slots", "parent", "children", "lock_ref", "last_access",
@@ -112,9 +114,12 @@ class RadixCache:
     operation, so `evict` never walks the whole tree.
     """
 
-    def __init__(self, allocator):
-        """`allocator` is a `SlotAllocator`; the tree frees evicted slots through it."""
+    def __init__(self, allocator, state_allocator=None):
+        """`allocator` is a `SlotAllocator`; the tree frees evicted slots through it.
+        `state_allocator` (hybrid models) is the StatePool's; evicted checkpoints go back to it."""
         self.allocator = allocator
+        self.state_allocator = state_allocator
+        self._num_checkpoints = 0
         self._clock = itertools.count(1)
         self._node_ids = itertools.count()
         self._roots: dict[Optional[str], TreeNode] = {}
@@ -210,6 +215,40 @@ class RadixCache:
                 if not path_node.children:
                     self._evictable_leaves.add(path_node)
 
+    def set_checkpoint(self, node: TreeNode, state_slot: int) -> None:
+        """Store `state_slot` (the state after `node`'s last token) at `node`; the tree takes over
+        the caller's reference. Raises ValueError for a root, a node that already has one, or a
+        tree without a state allocator."""
+        if self.state_allocator is None or node.is_root or node.state_checkpoint is not None:
+            raise ValueError(f"cannot set a checkpoint at {node!r}")
+        self._check_attached(node)
+        node.state_checkpoint = state_slot
+        self._num_checkpoints += 1
+
+    @staticmethod
+    def deepest_checkpoint(node: TreeNode) -> tuple[TreeNode, int]:
+        """The deepest node at or above `node` that has a checkpoint (the namespace root when none
+        has), and its depth in tokens."""
+        path = list(RadixCache._path_to_root(node))
+        depth = sum(len(path_node) for path_node in path)
+        for path_node in path:
+            if path_node.state_checkpoint is not None or path_node.is_root or path_node.parent is None:
+                return path_node, depth
+            depth -= len(path_node)
+        return path[-1], 0
+
+    def num_checkpoints(self) -> int:
+        """State slots held by the tree as checkpoints."""
+        return self._num_checkpoints
+
+    def evict_checkpoints(self, num_states: int) -> int:
+        """Evict least-recently-used unlocked leaves until `num_states` checkpoints are freed (or
+        nothing is evictable). Returns the checkpoints freed."""
+        before = self._num_checkpoints
+        while before - self._num_checkpoints < num_states and self._evictable_leaves:
+            self.evict(1)
+        return before - self._num_checkpoints
+
     def evict(self, num_tokens: int) -> int:
         """Evict least-recently-used unlocked leaves until `num_tokens` slots are freed.
 
@@ -277,7 +316,7 @@ class RadixCache:
         held slot allocated, no empty registered root, a child never more locked than its parent,
         evictable/protected sizes and the evictable-leaf set equal to a full recount.
         """
-        evictable, protected, leaves, seen_slots = 0, 0, set(), set()
+        evictable, protected, leaves, seen_slots, checkpoints = 0, 0, set(), set(), 0
         for namespace, root in self._roots.items():
             assert root.is_root and root.namespace == namespace and root.children, "bad root"
             for _, node in self._iter_subtree(root):
@@ -285,6 +324,7 @@ class RadixCache:
                 node_slots = node.slots.tolist()
                 assert seen_slots.isdisjoint(node_slots), f"a slot is held twice ({node!r})"
                 seen_slots.update(node_slots)
+                checkpoints += node.state_checkpoint is not None
                 if node.lock_ref == 0:
                     evictable += len(node)
                     if not node.children:
@@ -297,6 +337,7 @@ class RadixCache:
         assert evictable == self._evictable_size, f"evictable {self._evictable_size} != {evictable}"
         assert protected == self._protected_size, f"protected {self._protected_size} != {protected}"
         assert leaves == self._evictable_leaves, "evictable-leaf set out of date"
+        assert checkpoints == self._num_checkpoints, f"checkpoints {self._num_checkpoints} != {checkpoints}"
 
     # ------------------------------------------------------------------ internals
 
@@ -364,6 +405,10 @@ class RadixCache:
         """
         parent = leaf.parent
         self.allocator.free(leaf.slots)
+        if leaf.state_checkpoint is not None:
+            self.state_allocator.free(torch.tensor([leaf.state_checkpoint], dtype=torch.int64))
+            leaf.state_checkpoint = None
+            self._num_checkpoints -= 1
         del parent.children[leaf.key[0]]
         self._evictable_leaves.discard(leaf)
         self._evictable_size -= len(leaf)

@@ -18,6 +18,12 @@ prefix of them that is exact (all of them unless SCR relocated something):
                                                      SCR session or freed
 
 On abort or preemption (`release(req, cache=False)`) every own slot is freed and the path unlocked.
+
+Hybrid models (a StatePool): a request also holds a working state slot and the checkpoint slots
+it fills every `checkpoint_every` tokens. A prefix hit is cut back to the deepest radix node that
+has a checkpoint (the state must resume exactly there), and the working state starts as a copy of
+it. On finish, checkpoints at lengths <= exact_len, and the final state when the whole computed
+sequence is exact, become checkpoints of the matching radix nodes; the rest is freed.
 """
 
 from __future__ import annotations
@@ -25,18 +31,22 @@ from __future__ import annotations
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.cache.radix import RadixCache
-from kvsplice.engine.request import Req
+from kvsplice.cache.radix import PrefixMatch, RadixCache
+from kvsplice.cache.state_pool import StatePool
+from kvsplice.engine.request import Req, StateReuse
 
 
 class CacheManager:
     """Slot ownership for requests. `prefix_cache=False` turns the radix tree into a null cache
     (nothing matched, nothing inserted) without the scheduler testing a flag."""
 
-    def __init__(self, pool: KVPool, prefix_cache: bool = True):
+    def __init__(self, pool: KVPool, prefix_cache: bool = True, states: StatePool | None = None,
+                 checkpoint_every: int = 0):
         self.pool = pool
         self.allocator = pool.allocator
-        self.radix = RadixCache(self.allocator)
+        self.states = states
+        self.checkpoint_every = checkpoint_every
+        self.radix = RadixCache(self.allocator, states.allocator if states is not None else None)
         self.prefix_cache = prefix_cache
 
     # ----- allocation -------------------------------------------------------------------
@@ -54,7 +64,12 @@ class CacheManager:
         those need logits at every prompt position."""
         if not self.prefix_cache or req.wants_prompt_logprobs:
             return self.radix.match_prefix([], req.namespace)
-        return self.radix.match_prefix(req.seq_ids[: req.seq_len - 1], req.namespace)
+        match = self.radix.match_prefix(req.seq_ids[: req.seq_len - 1], req.namespace)
+        if self.states is None:
+            return match
+        node, depth = self.radix.deepest_checkpoint(match.node)
+        req.state_reuse = StateReuse(radix_match=match.length, checkpoint_depth=depth)
+        return PrefixMatch(match.slots[:depth], node, depth)
 
     def admit(self, req: Req) -> bool:
         """Give `req` slots for its whole known sequence (radix hit + fresh slots for the rest).
@@ -69,9 +84,91 @@ class CacheManager:
         if fresh is None:
             self.radix.unlock(match.node)
             return False
+        if not self.admit_state(req, match):
+            self.allocator.free(fresh)
+            self.radix.unlock(match.node)
+            return False
         self.install(req, match, fresh)
         req.pending = list(range(match.length, req.seq_len))
+        self.alloc_checkpoints(req)
         return True
+
+    # ----- linear-layer states (hybrid models) --------------------------------------------
+    def admit_state(self, req: Req, match: PrefixMatch) -> bool:
+        """Give `req` a working state slot (evicting radix checkpoints if needed) initialised from
+        the checkpoint at `match.node`, or zeros. True without a StatePool; False when no slot."""
+        if self.states is None:
+            return True
+        slot = self.states.alloc_one()
+        if slot is None and self.radix.evict_checkpoints(1):
+            slot = self.states.alloc_one()
+        if slot is None:
+            return False
+        if match.length and match.node.state_checkpoint is not None:
+            self.states.copy(match.node.state_checkpoint, slot)
+        else:
+            self.states.zero(slot)
+        req.state_slot = slot
+        return True
+
+    def alloc_checkpoints(self, req: Req) -> None:
+        """Best effort: a slot for the state at every multiple p of `checkpoint_every` inside the
+        prompt whose last token (offset p - 1) this request computes (no eviction for these)."""
+        if self.states is None or self.checkpoint_every <= 0:
+            return
+        computed = set(req.pending)
+        every = self.checkpoint_every
+        for length in range(every, len(req.prompt_ids), every):
+            if length - 1 not in computed:
+                continue
+            slot = self.states.alloc_one()
+            if slot is None:
+                return
+            req.ckpt_slots[length] = slot
+
+    def take_states(self, req: Req) -> dict[int, int]:
+        """Hand `req`'s states over to the caller: {sequence length: state slot}, its checkpoints
+        and its final working state (at the computed length). The request holds none after."""
+        states = dict(req.ckpt_slots)
+        if req.state_slot is not None:
+            kv_len = self.computed_len(req)
+            if kv_len in states:
+                self.states.free([states.pop(kv_len)])
+            states[kv_len] = req.state_slot
+        req.state_slot, req.ckpt_slots, req.splice_loads = None, {}, {}
+        return states
+
+    def checkpoint_exact_states(self, ids: list[int], namespace, states: dict[int, int], exact_len: int,
+                                copy: bool) -> None:
+        """Store the states at lengths 0 < p <= exact_len as checkpoints of the radix nodes ending
+        at p (`ids[:exact_len]` must be in the tree). With `copy` the tree gets copies in fresh
+        slots (best effort) and `states` stay the caller's; without, the tree takes the slots and
+        every other one is freed."""
+        for length, slot in sorted(states.items()):
+            if not 0 < length <= exact_len:
+                if not copy:
+                    self.states.free([slot])
+                continue
+            match = self.radix.match_prefix(ids[:length], namespace)
+            usable = match.length == length and match.node.state_checkpoint is None
+            if usable and copy:
+                fresh = self.states.alloc_one()
+                if fresh is not None:
+                    self.states.copy(slot, fresh)
+                    self.radix.set_checkpoint(match.node, fresh)
+            elif usable:
+                self.radix.set_checkpoint(match.node, slot)
+            elif not copy:
+                self.states.free([slot])
+
+    def _release_states(self, req: Req, cache: bool, ids: list[int], exact_len: int) -> None:
+        if self.states is None or req.state_slot is None:
+            return
+        states = self.take_states(req)
+        if cache and self.prefix_cache:
+            self.checkpoint_exact_states(ids, req.namespace, states, exact_len, copy=False)
+        else:
+            self.states.free(list(states.values()))
 
     def install(self, req: Req, match, fresh: torch.Tensor) -> None:
         """Point `req` at its (already locked) radix hit followed by `fresh` slots for the rest
@@ -107,9 +204,9 @@ class CacheManager:
         kv_len = self.computed_len(req)
         own = req.seq_slots[req.owned_from: req.num_slotted]
         leftover = torch.empty(0, dtype=torch.int64)
+        exact_len = kv_len if exact_len is None else min(exact_len, kv_len)
+        ids = req.seq_ids[:exact_len]
         if cache and self.prefix_cache and kv_len > 0:
-            exact_len = kv_len if exact_len is None else min(exact_len, kv_len)
-            ids = req.seq_ids[:exact_len]
             n_present = self.radix.insert(ids, req.seq_slots[:exact_len], req.namespace)
             dup_end = max(n_present, req.owned_from)
             self.allocator.free(req.seq_slots[req.owned_from: dup_end])
@@ -117,6 +214,7 @@ class CacheManager:
             self.allocator.free(req.seq_slots[kv_len: req.num_slotted])
         else:
             self.allocator.free(own)
+        self._release_states(req, cache and kv_len > 0, ids, exact_len)
         if req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
         req.seq_slots, req.prefix_node, req.num_slotted, req.pending = None, None, 0, []
@@ -134,7 +232,12 @@ class CacheManager:
         """Slots owned by these requests (not by the tree)."""
         return sum(r.num_slotted - r.owned_from for r in reqs if r.seq_slots is not None)
 
-    def check_integrity(self, running: list[Req], private: int = 0) -> None:
-        """free + cached + in-use (requests + SCR private) == total; raises AssertionError."""
+    def check_integrity(self, running: list[Req], private: int = 0, private_states: int = 0) -> None:
+        """free + cached + in-use (requests + SCR private) == total, for KV slots and, on a
+        hybrid, for state slots (requests' working and checkpoint slots + sessions' states);
+        raises AssertionError."""
         in_use = self.held_by(running) + private
         self.allocator.check_integrity(cached=self.radix.cached_size(), in_use=in_use)
+        if self.states is not None:
+            held = sum((r.state_slot is not None) + len(r.ckpt_slots) for r in running)
+            self.states.check_integrity(cached=self.radix.num_checkpoints(), in_use=held + private_states)

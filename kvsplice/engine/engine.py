@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
@@ -51,6 +52,12 @@ class EngineCounters:
     forward_steps: int = 0
 
 
+def default_state_slots(config: EngineConfig) -> int:
+    """State slots of a hybrid's StatePool when not given: a working state per running request,
+    plus as many again for checkpoints and SCR sessions, at least 64."""
+    return max(64, 2 * config.max_running + 2 * config.reuse.max_sessions)
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
                  config: EngineConfig, name: str = "model"):
@@ -60,12 +67,17 @@ class Engine:
         self.name = name
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        pool = KVPool(config.num_slots, model_config.num_layers, model_config.num_kv_heads,
-                      model_config.head_dim, dtype=next(model.parameters()).dtype, device=config.device)
-        self.cache = CacheManager(pool, config.prefix_cache)
+        dtype = next(model.parameters()).dtype
+        pool = KVPool(config.num_slots, model_config.num_kv_layers, model_config.num_kv_heads,
+                      model_config.head_dim, dtype=dtype, device=config.device)
+        states = None
+        if model_config.is_hybrid:
+            states = StatePool(config.num_state_slots or default_state_slots(config), model_config.num_linear_layers,
+                               model_config.linear_attn, dtype=dtype, device=config.device)
+        self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoint_every)
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary)
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
-        self.runner = ModelRunner(model, pool)
+        self.runner = ModelRunner(model, pool, states)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -219,7 +231,8 @@ class Engine:
         ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
         out = RequestOutput(req.rid, tokens, text, lps, finished, req.finish_reason,
                             len(req.prompt_ids), len(req.output_ids), req.reuse, prompt_lps, ttft,
-                            dict(req.prompt_logits) if first and req.keep_last_logits else None)
+                            dict(req.prompt_logits) if first and req.keep_last_logits else None,
+                            req.state_reuse)
         if finished:
             self._reqs.pop(req.rid, None)
             self._detoks.pop(req.rid, None)
@@ -228,7 +241,8 @@ class Engine:
     # ----- inspection -------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Pool conservation over requests, the radix tree and SCR sessions (AssertionError)."""
-        self.cache.check_integrity(self.scheduler.running, private=self.reuse.private_slots())
+        self.cache.check_integrity(self.scheduler.running, private=self.reuse.private_slots(),
+                                   private_states=self.reuse.private_state_slots())
 
     def num_running(self) -> int:
         return len(self.scheduler.running)

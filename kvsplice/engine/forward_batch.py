@@ -13,6 +13,7 @@ compute B', span tails and appended text in one pass next to relocated K/V.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -33,11 +34,36 @@ class SeqSlice:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A run of one request's rows (`start`/`end` relative to its `query_start`) that the linear
+    layers process as one consecutive stretch of the sequence. Before it, when `load_from` is set,
+    the request's working state is replaced by that state slot's (an SCR splice: the tokens in
+    between were relocated, not computed); after it, when `save_to` is set, the working state is
+    copied into that slot (a checkpoint)."""
+
+    start: int
+    end: int
+    load_from: Optional[int] = None
+    save_to: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LinearSeq:
+    """One request's share of a forward in the linear-attention layers of a hybrid model: its
+    working state slot (read at the first segment, updated in place) and its segments, in order,
+    covering its rows exactly."""
+
+    state_slot: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """A flat batch of tokens from one or more requests (prefill chunks and decode steps mixed).
 
     `logit_rows` are the flat row offsets whose next-token logits the caller wants (usually the
-    last row of each request; every row for prompt logprobs).
+    last row of each request; every row for prompt logprobs). `linear` is empty for models
+    without linear-attention layers.
     """
 
     input_ids: torch.Tensor    # [T] int64
@@ -45,6 +71,7 @@ class ForwardBatch:
     out_slots: torch.Tensor    # [T] int64, slot where each token's K/V is written
     seqs: tuple[SeqSlice, ...]
     logit_rows: torch.Tensor   # [R] int64
+    linear: tuple[LinearSeq, ...] = ()   # hybrid models only: one per entry of `seqs`
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ class GenerationResult:
     prompt_logprobs: list[TokenLogprob | None] | None
     reuse: ReuseStats
     prompt_logits: dict | None = None
+    state_reuse: object | None = None   # hybrid models: StateReuse (checkpoint depth, state mode)
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -110,4 +111,5 @@ class LLM:
         return GenerationResult(rid, prompt_ids, token_ids, "".join(o.new_text for o in outs),
                                 last.finish_reason, [lp for o in outs for lp in o.logprobs],
                                 next((list(o.prompt_logprobs) for o in outs if o.prompt_logprobs), None),
-                                last.reuse, next((o.prompt_logits for o in outs if o.prompt_logits), None))
+                                last.reuse, next((o.prompt_logits for o in outs if o.prompt_logits), None),
+                                next((o.state_reuse for o in outs if o.state_reuse is not None), None))

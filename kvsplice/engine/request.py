@@ -26,6 +26,25 @@ from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class StateReuse:
+    """Where a hybrid request's linear-layer state came from.
+
+    `radix_match`: tokens the radix tree matched; `checkpoint_depth`: the depth of the deepest
+    checkpoint within that match, the one resumed from (0: started from the zero state); it is
+    the request's prefix hit. `mode`: the SCR state mode ("fork", "checkpoint", "none"), or
+    "prefix" when SCR did not splice; `splices`: segments that started from a loaded state;
+    `loaded_from`: for each splice, the old-sequence length of the state loaded (None: kept the
+    running state).
+    """
+
+    radix_match: int
+    checkpoint_depth: int
+    mode: str = "prefix"
+    splices: int = 0
+    loaded_from: tuple[int | None, ...] = ()
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -52,6 +71,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     ttft_s: float | None = None
     prompt_logits: dict[int, torch.Tensor] | None = None   # offset -> fp32 logits, if kept
+    state_reuse: StateReuse | None = None                  # hybrid models only
 
 
 @dataclass
@@ -81,6 +101,12 @@ class Req:
     first_token_s: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # hybrid models: the working StatePool slot, checkpoint slots to fill {prefix length: slot},
+    # states to load before computing an offset (SCR splices) {offset: slot}, and the report
+    state_slot: int | None = None
+    ckpt_slots: dict[int, int] = field(default_factory=dict)
+    splice_loads: dict[int, int] = field(default_factory=dict)
+    state_reuse: StateReuse | None = None
 
     @property
     def seq_ids(self) -> list[int]:

@@ -18,6 +18,19 @@ inserted into the tree; the session then swaps its old K/V for the new.
 
 Any failure (no session, no plan, no slots after eviction) falls back to plain prefix caching,
 with the reason recorded in the request's ReuseStats.
+
+Hybrid models: full-attention layers relocate as above; linear layers cannot (their state is not
+per token), so they compute the same offsets in order, segment by segment, and before each
+segment that follows relocated tokens their state is replaced according to `state_mode`:
+
+    new prompt   [ A: radix, from a checkpoint ][ B' ][ relocated span ][ tail, C2 .. ][ relocated ][ D ]
+    linear state   copy of the checkpoint  ->  run  ->  load  ->  run    ->  load  ->  run
+    fork:        load = the previous sequence's final state
+    checkpoint:  load = the session's saved state nearest before the span's old end
+    none:        no load (the relocated tokens are simply skipped)
+
+A session keeps its previous sequence's states (checkpoints + final) privately; copies of the
+exact ones (lengths <= exact_len) go to the radix tree.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsplice.engine.cache_manager import CacheManager
-from kvsplice.engine.request import Req
+from kvsplice.engine.request import Req, StateReuse
 from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, parse_request_override
@@ -46,6 +59,7 @@ class SessionKV:
     exact_node: object
     exact_slots: torch.Tensor
     private_slots: torch.Tensor
+    states: dict[int, int] = field(default_factory=dict)   # hybrids: {old length: state slot}
 
     def slots(self) -> torch.Tensor:
         return torch.cat([self.exact_slots, self.private_slots])
@@ -73,7 +87,7 @@ class ReuseManager:
         self.sessions = SessionStore(config)
         self.flops = FlopsModel(model_config.num_layers, model_config.hidden_size, model_config.num_heads,
                                 model_config.head_dim, model_config.num_params_non_embedding,
-                                model_config.vocab_size)
+                                model_config.vocab_size, attention_layers=model_config.num_kv_layers)
         self.fallbacks: dict[str, int] = {}
         self.sessions_evicted_for_memory = 0
 
@@ -164,6 +178,8 @@ class ReuseManager:
                            cdc_target=scr.cfg.cdc_target)
         result = make_plan(old_ids, req.prompt_ids, runs, prefix_len=match.length,
                            old_kv_len=len(old_ids), cfg=scr.cfg)
+        if result.plan is not None and self.cache.states is not None:
+            result = self._hybrid_plan(result, old_ids, req.prompt_ids, runs, scr.cfg.tail)
         if result.plan is None:
             return self._admit_plain(req, update_stats, "matched", result)
         result.plan.validate(old_ids, req.prompt_ids, len(old_ids))
@@ -175,14 +191,62 @@ class ReuseManager:
             plain = prefill_breakdown(old_ids, req.prompt_ids, runs, prefix_len=match.length,
                                       keeps=(), tail=scr.cfg.tail)
             return self._admit_plain(req, update_stats, "matched", PlanResult(None, "alloc_failed", plain))
+        if not self.cache.admit_state(req, match):
+            self.cache.allocator.free(fresh)
+            self.cache.radix.unlock(match.node)
+            self._count_fallback("alloc_failed")
+            return self._admit_plain(req, update_stats, "matched", PlanResult(None, "alloc_failed", None))
         self.cache.install(req, match, fresh)
         self._relocate(req, result.plan, kv.slots(), scr.cfg)
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
         scr.plan = result.plan
+        if self.cache.states is not None:
+            self._plan_state_loads(req, result.plan, kv.states, scr.cfg.state_mode, match.length)
+            self.cache.alloc_checkpoints(req)
         if update_stats:
             req.reuse = ReuseStats.from_plan_result(result, prompt_len=len(req.prompt_ids),
                                                     prefix_len=match.length, session="matched")
         return True
+
+    @staticmethod
+    def _hybrid_plan(result: PlanResult, old_ids, new_ids, runs, tail: int) -> PlanResult:
+        """On a hybrid the prefix hit stops at a state checkpoint, so a first keep that merely
+        continues it in place (delta 0 right at prefix_len) would leave the linear layers without
+        the exact state at its end: compute those tokens instead (exact, as a prefix hit would be).
+        No keep left: no plan ("no_spans")."""
+        plan = result.plan
+        keeps = plan.keeps
+        if not (keeps and keeps[0].delta == 0 and keeps[0].dst_pos == plan.prefix_len):
+            return result
+        keeps = keeps[1:]
+        breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=plan.prefix_len, keeps=keeps, tail=tail)
+        if not keeps:
+            return PlanResult(None, "no_spans", breakdown)
+        return PlanResult(dataclasses.replace(plan, keeps=keeps), None, breakdown)
+
+    @staticmethod
+    def _plan_state_loads(req: Req, plan: SpanPlan, old_states: dict[int, int], mode: str,
+                          prefix_len: int) -> None:
+        """Fill `req.splice_loads` ({offset: state slot} before each computed range that follows
+        relocated tokens) by `mode`, and record it in `req.state_reuse`."""
+        final_len = max(old_states) if old_states else None
+        ends = {keep.dst_end: keep for keep in plan.keeps}
+        loaded_from, prev_end = [], prefix_len
+        for start, end in plan.computed_ranges:
+            if start > prev_end:
+                source = None
+                if mode == "fork":
+                    source = final_len
+                elif mode == "checkpoint":
+                    src_end = ends[start].src_end
+                    source = max((length for length in old_states if length <= src_end), default=None)
+                if source is not None:
+                    req.splice_loads[start] = old_states[source]
+                loaded_from.append(source)
+            prev_end = end
+        base = req.state_reuse or StateReuse(prefix_len, prefix_len)
+        req.state_reuse = dataclasses.replace(base, mode=mode, splices=len(loaded_from),
+                                              loaded_from=tuple(loaded_from))
 
     def _relocate(self, req: Req, plan: SpanPlan, old_slots: torch.Tensor, cfg: ReuseConfig) -> None:
         rotary = None if cfg.no_rerotate else self.rotary
@@ -214,19 +278,22 @@ class ReuseManager:
             return
         kv_len = self.cache.computed_len(req)
         ids = req.seq_ids[:kv_len]
-        exact_len = scr.plan.exact_len if scr.plan is not None else kv_len
+        exact_len = min(scr.plan.exact_len if scr.plan is not None else kv_len, kv_len)
+        states = self.cache.take_states(req) if self.cache.states is not None else {}
         private = self.cache.release(req, cache=True, exact_len=exact_len)
-        self._replace_session_kv(scr.session, ids, min(exact_len, kv_len), private)
+        if states:
+            self.cache.checkpoint_exact_states(ids, req.namespace, states, exact_len, copy=True)
+        self._replace_session_kv(scr.session, ids, exact_len, private, states)
         self.forget(req)
 
     def _replace_session_kv(self, session: Session, ids: list[int], exact_len: int,
-                            private: torch.Tensor) -> None:
+                            private: torch.Tensor, states: dict[int, int] | None = None) -> None:
         self._free_payload(session)
         match = self.cache.radix.match_prefix(ids[:exact_len], session.namespace)
         if match.length != exact_len:  # cannot happen right after insert; never keep a gap
             raise RuntimeError(f"session exact part not cached: {match.length} != {exact_len}")
         self.cache.radix.lock(match.node)
-        session.payload = SessionKV(match.node, match.slots, private)
+        session.payload = SessionKV(match.node, match.slots, private, dict(states or {}))
         self.sessions.update(session, ids, private_tokens=int(private.numel()))
 
     def forget(self, req: Req) -> None:
@@ -243,6 +310,8 @@ class ReuseManager:
         if kv is not None:
             self.cache.radix.unlock(kv.exact_node)
             self.cache.allocator.free(kv.private_slots)
+            if kv.states:
+                self.cache.states.free(list(kv.states.values()))
             session.payload = None
 
     def _free_sessions(self, sessions: list[Session]) -> None:
@@ -266,6 +335,10 @@ class ReuseManager:
         """Slots held privately by SCR sessions."""
         return sum(int(s.payload.private_slots.numel()) for s in self.sessions.sessions()
                    if s.payload is not None)
+
+    def private_state_slots(self) -> int:
+        """State slots held by SCR sessions (hybrid models)."""
+        return sum(len(s.payload.states) for s in self.sessions.sessions() if s.payload is not None)
 
     def drop_idle_sessions(self) -> None:
         """Release every session without a request in flight."""

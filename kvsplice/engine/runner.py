@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.forward_batch import ForwardBatch, SeqSlice
+from kvsplice.cache.state_pool import StatePool
+from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
+from kvsplice.engine.request import Req
 from kvsplice.engine.scheduler import Chunk
 from kvsplice.layers.sampler import TokenLogprob, logprobs_of, sample
 
@@ -29,9 +31,12 @@ class ChunkResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool):
+    """Runs chunks through `model`; `states` is the StatePool of a hybrid model (None otherwise)."""
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool, states: StatePool | None = None):
         self.model = model
         self.pool = pool
+        self.states = states
 
     def build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[dict[int, int]]]:
         """Flatten chunks into a ForwardBatch; also returns, per chunk, {offset: row of the
@@ -53,8 +58,9 @@ class ModelRunner:
             rows_per_chunk.append({o: len(rows) + i for i, o in enumerate(wanted)})
             rows.extend(row_of[o] for o in wanted)
             start += len(offsets)
+        linear = tuple(linear_seq(c.req, c.offsets) for c in chunks) if self.states is not None else ()
         batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), tuple(seqs),
-                             torch.tensor(rows, dtype=torch.int64))
+                             torch.tensor(rows, dtype=torch.int64), linear)
         return batch, rows_per_chunk
 
     @staticmethod
@@ -74,7 +80,10 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> list[ChunkResult]:
         """One forward over all chunks, then sampling. Writes the chunks' K/V into the pool."""
         batch, rows_per_chunk = self.build_batch(chunks)
-        logits = self.model(batch, self.pool).float()
+        if self.states is None:
+            logits = self.model(batch, self.pool).float()
+        else:
+            logits = self.model(batch, self.pool, self.states).float()
         sampling = [(c, rows) for c, rows in zip(chunks, rows_per_chunk) if c.samples]
         tokens, token_lps = [], []
         if sampling:
@@ -102,3 +111,24 @@ class ModelRunner:
         targets = torch.tensor([req.prompt_ids[o + 1] for o in offsets], dtype=torch.int64)
         lps = logprobs_of(logits[[rows[o] for o in offsets]], targets, req.params.prompt_logprobs)
         return dict(zip(offsets, lps))
+
+
+def linear_seq(req: Req, offsets: list[int]) -> LinearSeq:
+    """The linear layers' view of one chunk: its offsets cut into segments at every gap (the
+    relocated tokens in between are not computed), after every offset that ends a checkpoint
+    (`req.ckpt_slots`: the state after offset o is saved for length o + 1), and before every
+    offset that starts from a loaded state (`req.splice_loads`).
+
+        offsets   10 11 12 | 20 21 22 23 | 24 25        ckpt at length 24, splice load at 20
+        segments  [0, 3)     [3, 7) save   [7, 9)
+                             load
+    """
+    segments, start = [], 0
+    for row, offset in enumerate(offsets):
+        is_last = row == len(offsets) - 1
+        if is_last or offsets[row + 1] != offset + 1 or offset + 1 in req.ckpt_slots \
+                or offsets[row + 1] in req.splice_loads:
+            first = offsets[start]
+            segments.append(Segment(start, row + 1, req.splice_loads.get(first), req.ckpt_slots.get(offset + 1)))
+            start = row + 1
+    return LinearSeq(req.state_slot, tuple(segments))

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 RopeKind = Literal["default", "linear", "llama3", "yarn"]
-LayerType = Literal["full_attention", "sliding_attention"]
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+HybridLayout = Literal["qwen3_5", "qwen3_next"]
 SlidingRule = Literal["none", "every_layer", "qwen_window_layers"]
 
 _ROPE_KINDS: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
@@ -62,6 +63,7 @@ class ArchFacts:
     default_bos: Optional[int]
     default_eos: Optional[int]
     sliding: SlidingRule
+    hybrid: Optional[HybridLayout] = None  # Gated DeltaNet layers + gated attention (qwen3_5/next)
 
 
 ARCH_FACTS: dict[str, ArchFacts] = {
@@ -69,7 +71,41 @@ ARCH_FACTS: dict[str, ArchFacts] = {
     "mistral": ArchFacts(False, False, False, None, 8, 4096 * 32, 1, 2, "every_layer"),
     "qwen2": ArchFacts(True, False, False, None, 32, 32768, None, None, "qwen_window_layers"),
     "qwen3": ArchFacts(None, True, True, 128, 32, 32768, None, None, "qwen_window_layers"),
+    # hybrids; "qwen3_5" (the multimodal wrapper) is read through its text_config
+    "qwen3_5_text": ArchFacts(None, True, True, 256, 4, 32768, None, None, "none", "qwen3_5"),
+    "qwen3_next": ArchFacts(None, True, True, 256, 2, 32768, None, None, "none", "qwen3_next"),
 }
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """Shape of the Gated DeltaNet layers of a hybrid (transformers' `linear_*` config keys) and
+    the projection layout of its checkpoints."""
+
+    layout: HybridLayout
+    conv_kernel: int
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def num_params(self, hidden_size: int) -> int:
+        """Parameters of one linear-attention layer (projections, conv, dt_bias, A_log, norm)."""
+        proj = hidden_size * (self.conv_dim + self.value_dim + 2 * self.num_v_heads)
+        return proj + self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.v_head_dim \
+            + self.value_dim * hidden_size
 
 
 @dataclass(frozen=True)
@@ -101,6 +137,36 @@ class ModelConfig:
     rope: RopeConfig
     sliding_window: Optional[int] = None
     layer_types: tuple[LayerType, ...] = ()
+    # hybrids (qwen3_5_text, qwen3_next): RMSNorm weights stored zero-centred (y = norm(x) * (1 + w)),
+    # a sigmoid output gate on attention (q_proj emits [q | gate] per head), Gated DeltaNet layers
+    norm_zero_centered: bool = False
+    attn_output_gate: bool = False
+    linear_attn: Optional[LinearAttnConfig] = None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layers are linear attention (they need a StatePool)."""
+        return self.linear_attn is not None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep per-token K/V (all but the linear-attention ones)."""
+        return sum(1 for kind in self._types() if kind != "linear_attention")
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.num_layers - self.num_kv_layers
+
+    def kv_layer_index(self, layer_id: int) -> int:
+        """Index of attention layer `layer_id` among the K/V-keeping layers (its KV pool layer)."""
+        return sum(1 for kind in self._types()[:layer_id] if kind != "linear_attention")
+
+    def linear_layer_index(self, layer_id: int) -> int:
+        """Index of linear layer `layer_id` among the linear layers (its StatePool layer)."""
+        return sum(1 for kind in self._types()[:layer_id] if kind == "linear_attention")
+
+    def _types(self) -> tuple[LayerType, ...]:
+        return self.layer_types or ("full_attention",) * self.num_layers
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window of layer `layer_id`, or None for full attention."""
@@ -113,21 +179,26 @@ class ModelConfig:
         """Parameters outside embed_tokens and lm_head (per-token FLOPs ~ 2x this, plus attention;
         the lm_head adds 2 * hidden_size * vocab_size per logit row)."""
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
+        attn = self.hidden_size * (q_out * (1 + self.attn_output_gate) + 2 * kv_out) + q_out * self.hidden_size
         attn += (q_out + 2 * kv_out) * self.attention_bias + self.hidden_size * self.o_proj_bias
         attn += 2 * self.head_dim * self.qk_norm
         mlp = 3 * self.hidden_size * self.intermediate_size
         mlp += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
         norms = 2 * self.hidden_size
-        return self.num_layers * (attn + mlp + norms) + self.hidden_size
+        linear = self.linear_attn.num_params(self.hidden_size) if self.linear_attn is not None else 0
+        return (self.num_kv_layers * attn + self.num_linear_layers * linear
+                + self.num_layers * (mlp + norms) + self.hidden_size)
 
     @staticmethod
     def from_hf_config(d: dict[str, Any]) -> "ModelConfig":
-        """Build from a transformers config.json dict (llama, mistral, qwen2, qwen3).
+        """Build from a transformers config.json dict (llama, mistral, qwen2, qwen3, and the
+        hybrids qwen3_5_text, qwen3_5 (its text part) and qwen3_next without MoE layers).
 
         Raises ValueError naming the problem for an unsupported model_type, rope type or
         activation, or a missing required key. Does not modify `d`.
         """
+        if d.get("model_type") == "qwen3_5":
+            d = _qwen3_5_text_part(d)
         model_type = d.get("model_type")
         facts = ARCH_FACTS.get(model_type)
         if facts is None:
@@ -139,7 +210,11 @@ class ModelConfig:
         head_dim = d.get("head_dim") or facts.default_head_dim or hidden // num_heads
         attention_bias = bool(d.get("attention_bias", False))
         max_pos = d.get("max_position_embeddings") or facts.default_max_pos
-        sliding_window, layer_types = _sliding(d, facts, num_layers)
+        if facts.hybrid is not None:
+            d = _hybrid_defaults(d)
+            sliding_window, layer_types = None, _hybrid_layer_types(d, num_layers)
+        else:
+            sliding_window, layer_types = _sliding(d, facts, num_layers)
         return ModelConfig(
             model_type=model_type,
             vocab_size=_required(d, "vocab_size"),
@@ -161,7 +236,62 @@ class ModelConfig:
             rope=rope_from_hf_config(d, head_dim, max_pos),
             sliding_window=sliding_window,
             layer_types=layer_types,
+            norm_zero_centered=facts.hybrid is not None,
+            attn_output_gate=facts.hybrid is not None,
+            linear_attn=_linear_attn(d, facts.hybrid) if facts.hybrid is not None else None,
         )
+
+
+def _qwen3_5_text_part(d: dict[str, Any]) -> dict[str, Any]:
+    """The text model of a `qwen3_5` (vision-language) config: its `text_config`, with the
+    wrapper's tie_word_embeddings (transformers keeps it at the top level)."""
+    text = dict(d.get("text_config") or {})
+    if not text:
+        raise ValueError("qwen3_5 config has no 'text_config'")
+    text["model_type"] = "qwen3_5_text"
+    text.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
+    return text
+
+
+def _hybrid_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy with the hybrids' config-class defaults transformers applies (partial rotary 0.25);
+    raises ValueError for qwen3_next MoE layers, which are not implemented."""
+    d = dict(d)
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if d.get("partial_rotary_factor") is None and "partial_rotary_factor" not in params:
+        d["partial_rotary_factor"] = 0.25
+    if d["model_type"] == "qwen3_next":
+        num_experts, step = d.get("num_experts", 512), d.get("decoder_sparse_step", 1)
+        mlp_only = set(d.get("mlp_only_layers") or [])
+        moe = [i for i in range(d["num_hidden_layers"])
+               if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
+        if moe:
+            raise ValueError(f"qwen3_next MoE layers are not supported (layers {moe[:4]}...); "
+                             f"only configs with num_experts=0 or every layer in mlp_only_layers")
+    return d
+
+
+def _hybrid_layer_types(d: dict[str, Any], num_layers: int) -> tuple[LayerType, ...]:
+    """`layer_types`, or transformers' default: every `full_attention_interval`-th layer (4) is
+    full attention, the others linear."""
+    if d.get("layer_types"):
+        types = tuple(d["layer_types"])
+        if set(types) - {"full_attention", "linear_attention"} or len(types) != num_layers:
+            raise ValueError(f"bad layer_types {types!r} for {num_layers} layers")
+        return types
+    interval = d.get("full_attention_interval", 4)
+    return tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers))
+
+
+def _linear_attn(d: dict[str, Any], layout: HybridLayout) -> LinearAttnConfig:
+    lin = LinearAttnConfig(layout=layout, conv_kernel=int(d.get("linear_conv_kernel_dim", 4)),
+                           num_k_heads=int(d.get("linear_num_key_heads", 16)),
+                           num_v_heads=int(d.get("linear_num_value_heads", 32)),
+                           k_head_dim=int(d.get("linear_key_head_dim", 128)),
+                           v_head_dim=int(d.get("linear_value_head_dim", 128)))
+    if lin.num_v_heads % lin.num_k_heads or lin.conv_kernel < 2:
+        raise ValueError(f"bad linear attention shape {lin}")
+    return lin
 
 
 def _required(d: dict[str, Any], key: str) -> Any:

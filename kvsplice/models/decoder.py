@@ -1,4 +1,5 @@
-"""One config-driven decoder for the llama family (llama, mistral, qwen2, qwen3).
+"""One config-driven decoder for the llama family (llama, mistral, qwen2, qwen3) and the hybrids
+(qwen3_5_text / qwen3_5 text part, qwen3_next without MoE).
 
 Parameter names are the HF checkpoint names, so an HF state dict loads directly:
 
@@ -10,6 +11,13 @@ Parameter names are the HF checkpoint names, so an HF state dict loads directly:
     model.layers.{i}.mlp.{gate,up,down}_proj.weight
     model.norm.weight
     lm_head.weight                                     (tied: the same Parameter as embed_tokens)
+
+Hybrids: a layer listed as "linear_attention" in `cfg.layer_types` has `model.layers.{i}.linear_attn.*`
+(Gated DeltaNet, `kvsplice.layers.gated_deltanet`) instead of `self_attn`; attention layers have an
+output gate (q_proj emits [q | gate] per head) and every RMSNorm weight is zero-centred. A
+`qwen3_5` checkpoint's `model.language_model.*` keys load as `model.*`; its vision tower and MTP
+head are ignored. Only attention layers have a KV-pool layer (`cfg.kv_layer_index`); linear
+layers keep their state in a StatePool slot per request.
 
 The model knows nothing of cache policy: a ForwardBatch says where each token's K/V goes and which
 slots each request attends to. Keys are stored in the pool AFTER RoPE. All tokens of a forward go
@@ -24,29 +32,55 @@ import torch
 from torch import nn
 
 from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.state_pool import StatePool
 from kvsplice.engine.forward_batch import ForwardBatch
 from kvsplice.layers.attention import paged_attention, store_kv
+from kvsplice.layers.gated_deltanet import GatedDeltaNet
 from kvsplice.layers.mlp import SwiGLU
 from kvsplice.layers.norm import RMSNorm
 from kvsplice.layers.rotary import Rotary, apply_rope
 from kvsplice.models.config import ModelConfig
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """y = norm(x) * (1 + weight), in fp32, cast to x.dtype at the end (transformers'
+    `Qwen3_5RMSNorm` / `Qwen3NextRMSNorm`: the stored weight is centred on 0)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dim; any leading shape."""
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int, dtype: torch.dtype) -> nn.Module:
+    """The RMSNorm flavour of this architecture."""
+    norm_class = ZeroCenteredRMSNorm if cfg.norm_zero_centered else RMSNorm
+    return norm_class(dim, cfg.rms_norm_eps, dtype)
+
+
 class SelfAttention(nn.Module):
-    """q/k/v projections, optional per-head q/k RMSNorm (qwen3), RoPE, paged attention, o_proj."""
+    """q/k/v projections, optional per-head q/k RMSNorm (qwen3), RoPE, paged attention, optional
+    sigmoid output gate (hybrids), o_proj."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias, dtype=dtype)
+        self.gated = cfg.attn_output_gate
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out * (1 + self.gated), bias=cfg.attention_bias, dtype=dtype)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = make_norm(cfg, cfg.head_dim, dtype)
+            self.k_norm = make_norm(cfg, cfg.head_dim, dtype)
         self.qk_norm = cfg.qk_norm
-        self.layer_id = layer_id
+        self.layer_id = cfg.kv_layer_index(layer_id)  # its layer in the KV pool
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window: Optional[int] = cfg.layer_window(layer_id)
@@ -55,7 +89,12 @@ class SelfAttention(nn.Module):
                 batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """`x [T, hidden]` -> `[T, hidden]`. Side effect: writes this layer's K/V at batch.out_slots."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        gate = None
+        if self.gated:  # per head [q | gate] (transformers' Qwen3NextAttention)
+            q, gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)
+        else:
+            q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -63,23 +102,35 @@ class SelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv(k, v, self.layer_id, batch.out_slots, pool)
         attended = paged_attention(q, self.layer_id, batch, pool, self.scale, self.sliding_window)
-        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+        attended = attended.reshape(num_tokens, self.num_heads * self.head_dim)
+        if gate is not None:
+            attended = attended * torch.sigmoid(gate)
+        return self.o_proj(attended)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)); the mixer is attention
+    (`self_attn`) or, for a hybrid's linear layers, Gated DeltaNet (`linear_attn`)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = SelfAttention(cfg, layer_id, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, dtype)
+        self.is_linear = bool(cfg.layer_types) and cfg.layer_types[layer_id] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg.linear_attn, cfg.hidden_size, cfg.rms_norm_eps,
+                                             cfg.linear_layer_index(layer_id), cfg.linear_attn.layout, dtype)
+        else:
+            self.self_attn = SelfAttention(cfg, layer_id, dtype)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+                batch: ForwardBatch, pool: KVPool, states: Optional[StatePool] = None) -> torch.Tensor:
         """`x [T, hidden]` -> `[T, hidden]`."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        if self.is_linear:
+            x = x + self.linear_attn(self.input_layernorm(x), batch, states)
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -90,11 +141,21 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, layer_id, dtype) for layer_id in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = make_norm(cfg, cfg.hidden_size, dtype)
 
 
 # Keys an HF checkpoint may carry that are not weights (old llama checkpoints saved inv_freq).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# qwen3_5 checkpoints: the vision tower and the multi-token-prediction head are not used.
+_IGNORED_PREFIXES = ("model.visual.", "mtp.")
+_RENAMED_PREFIXES = (("model.language_model.", "model."),)
+
+
+def _hf_name(name: str) -> str:
+    for old, new in _RENAMED_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 class Decoder(nn.Module):
@@ -117,7 +178,8 @@ class Decoder(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy an HF state dict in (cast to this model's dtype). With tied embeddings `lm_head.weight`
         may be absent. Raises ValueError listing missing or unexpected keys, or a shape mismatch."""
-        sd = {name: tensor for name, tensor in sd.items() if not name.endswith(_IGNORED_SUFFIXES)}
+        sd = {_hf_name(name): tensor for name, tensor in sd.items()
+              if not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(_IGNORED_PREFIXES)}
         expected = set(self.state_dict())
         optional = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
         missing = sorted(expected - set(sd) - optional)
@@ -136,14 +198,18 @@ class Decoder(nn.Module):
             raise ValueError(f"state dict does not fit {self.cfg.model_type}: {err}") from err
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pool: KVPool, states: Optional[StatePool] = None) -> torch.Tensor:
         """Run every token of `batch`; return fp32 logits `[len(batch.logit_rows), vocab]`.
 
-        Side effect: writes each layer's K (after RoPE) and V of every token at batch.out_slots.
+        Side effects: writes each attention layer's K (after RoPE) and V of every token at
+        batch.out_slots; for a hybrid (`states` and `batch.linear` required), updates each
+        request's linear-layer state slot and the segments' checkpoint slots.
         """
+        if self.cfg.is_hybrid and (states is None or len(batch.linear) != len(batch.seqs)):
+            raise ValueError("a hybrid model needs a StatePool and one LinearSeq per request")
         hidden = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions)
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, batch, pool)
+            hidden = layer(hidden, cos, sin, batch, pool, states)
         hidden = self.model.norm(hidden[batch.logit_rows])
         return self.lm_head(hidden).float()

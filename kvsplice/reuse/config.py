@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Literal, Mapping, NamedTuple
+
+StateMode = Literal["fork", "checkpoint", "none"]
+STATE_MODES: tuple[str, ...] = ("fork", "checkpoint", "none")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,12 @@ class ReuseConfig:
     no_rerotate: bool = False  # control: relocate keys without the RoPE delta rotation
     fastdiff_min: int = 2048  # chunk-level diff when both sequences are at least this long
     cdc_target: int = 64  # mean chunk size of the content-defined chunking (a power of 2)
+    # hybrid (linear-attention) models: the state a linear layer resumes from after a relocated
+    # span (fork: the previous sequence's final state; checkpoint: the previous turn's saved state
+    # nearest before the span's old end; none: keep the running state), and the spacing of the
+    # state checkpoints saved during prefill (0: only at request ends)
+    state_mode: StateMode = "checkpoint"
+    checkpoint_every: int = 256
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
@@ -92,6 +101,8 @@ FIELD_TYPES: dict[str, type] = {
     "no_rerotate": bool,
     "fastdiff_min": int,
     "cdc_target": int,
+    "state_mode": str,
+    "checkpoint_every": int,
 }
 
 # Smallest allowed value of each integer setting; tail >= 1 keeps the prompt's last token computed.
@@ -105,6 +116,7 @@ _INT_MINIMUM = {
     "match_min_tokens": 1,
     "fastdiff_min": 0,
     "cdc_target": 4,
+    "checkpoint_every": 0,
 }
 
 
@@ -114,6 +126,10 @@ def check_field(name: str, value: Any) -> None:
     kind = FIELD_TYPES.get(name)
     if kind is None:
         raise ValueError(f"unknown SCR setting: {name}")
+    if kind is str:
+        if value not in STATE_MODES:
+            raise ValueError(f"{name} must be one of {', '.join(STATE_MODES)}, got {value!r}")
+        return
     if kind is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a boolean, got {value!r}")
@@ -129,6 +145,11 @@ def check_field(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= {_INT_MINIMUM[name]}, got {value!r}")
     if name == "cdc_target" and value & (value - 1):
         raise ValueError(f"cdc_target must be a power of 2 (it is used as a bit mask), got {value!r}")
+
+
+def parse_str(raw: str) -> str:
+    """An environment string, stripped and lower-cased (checked by the field's own rule)."""
+    return raw.strip().lower()
 
 
 def parse_bool(raw: str) -> bool:
@@ -198,10 +219,15 @@ ENV_TABLE: tuple[EnvVar, ...] = (
            "use the chunk-level diff when both sequences have at least this many tokens"),
     EnvVar("KVREUSE_CDC_TARGET", "cdc_target", parse_int, "--scr-cdc-target",
            "mean chunk size of the content-defined chunking (a power of 2)"),
+    EnvVar("KVREUSE_SSM_MODE", "state_mode", parse_str, "--scr-state-mode",
+           "hybrid models: linear-layer state after a relocated span (fork, checkpoint, none)"),
+    EnvVar("KVREUSE_SSM_CHECKPOINT_EVERY", "checkpoint_every", parse_int, "--scr-checkpoint-every",
+           "hybrid models: save a linear-layer state checkpoint every N prompt tokens (0: request ends only)"),
 )
 
 # Settings a single request may override; the rest belong to the whole server (session store).
-REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target"})
+REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
+                            "state_mode"})
 
 SALT_OFF = "kvreuse:off"
 

@@ -1,0 +1,67 @@
+"""StatePool: the fixed-size states of linear-attention layers, one state slot per holder.
+
+A hybrid model's linear layers (Gated DeltaNet) carry, per sequence, a conv state (the last
+K-1 inputs of the short causal conv) and a recurrent state [Hv, Dk, Dv] instead of per-token K/V.
+One **state slot** holds both, for every linear layer. Slots are handed out by a `SlotAllocator`
+(the same free list, refcounts and integrity check as KV slots):
+
+    free      on the free list
+    cached    a radix-tree node's checkpoint (the exact state after the node's last token)
+    in use    a running request's working state or one of its pending checkpoints, or a state an
+              SCR session keeps from its previous sequence
+
+Layout: `conv[linear_layer]` is `[num_slots, conv_dim, K-1]` in the model dtype, `rec[linear_layer]`
+is `[num_slots, Hv, Dk, Dv]` in fp32 (the rule's state is accumulated in fp32, as transformers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsplice.cache.kv_pool import SlotAllocator
+from kvsplice.models.config import LinearAttnConfig
+
+
+class StatePool:
+    """Conv and recurrent states of `num_linear_layers` layers for `num_slots` holders."""
+
+    def __init__(self, num_slots: int, num_linear_layers: int, lin: LinearAttnConfig,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.allocator = SlotAllocator(num_slots)
+        self.conv = torch.zeros(num_linear_layers, num_slots, lin.conv_dim, lin.conv_kernel - 1,
+                                dtype=dtype, device=device)
+        self.rec = torch.zeros(num_linear_layers, num_slots, lin.num_v_heads, lin.k_head_dim,
+                               lin.v_head_dim, dtype=torch.float32, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+    def alloc_one(self) -> int | None:
+        """One free slot (refcount 1, contents unspecified), or None when none is free."""
+        slots = self.allocator.alloc(1)
+        return None if slots is None else int(slots[0])
+
+    def free(self, slots: list[int]) -> None:
+        """Drop one reference on each slot (see `SlotAllocator.free`)."""
+        if slots:
+            self.allocator.free(torch.tensor(slots, dtype=torch.int64))
+
+    def zero(self, slot: int) -> None:
+        """Reset `slot` to the state of an empty sequence (all zeros), every layer."""
+        self.conv[:, slot] = 0
+        self.rec[:, slot] = 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy the state of slot `src` into slot `dst`, every layer."""
+        self.conv[:, dst] = self.conv[:, src]
+        self.rec[:, dst] = self.rec[:, src]
+
+    def bytes_per_slot(self) -> int:
+        """Memory of one slot over all linear layers."""
+        return (self.conv[:, 0].numel() * self.conv.element_size()
+                + self.rec[:, 0].numel() * self.rec.element_size())
+
+    def check_integrity(self, cached: int, in_use: int) -> None:
+        """free + cached + in_use == total (AssertionError otherwise); see `SlotAllocator`."""
+        self.allocator.check_integrity(cached=cached, in_use=in_use)
