@@ -12,6 +12,7 @@ compute B', span tails and appended text in one pass next to relocated K/V.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,6 +59,16 @@ class LinearSeq:
 
 
 @dataclass(frozen=True)
+class PaddedContexts:
+    """Every request's context as one padded block, for batched single-query (decode) attention:
+    `slots [B, C]` (padding points at any valid slot and is masked out), `mask [B, 1, 1, C]` (True
+    where the entry is real and its position <= the query's)."""
+
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """A flat batch of tokens from one or more requests (prefill chunks and decode steps mixed).
 
@@ -76,6 +87,24 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    @functools.cached_property
+    def padded_decode(self) -> Optional[PaddedContexts]:
+        """The padded view of a batch whose requests each have exactly one query row, in row order
+        (a pure decode step of two or more requests); None otherwise. Built once per forward and
+        shared by every layer."""
+        if len(self.seqs) < 2 or any(seq.query_len != 1 or seq.query_start != row
+                                     for row, seq in enumerate(self.seqs)):
+            return None
+        width = max(int(seq.context_slots.numel()) for seq in self.seqs)
+        slots = torch.zeros(len(self.seqs), width, dtype=torch.int64)
+        pos = torch.full((len(self.seqs), width), torch.iinfo(torch.int64).max, dtype=torch.int64)
+        for row, seq in enumerate(self.seqs):
+            n = int(seq.context_slots.numel())
+            slots[row, :n] = seq.context_slots
+            pos[row, :n] = seq.context_pos
+        mask = pos <= self.positions[: len(self.seqs), None]   # padding sits at an unreachable position
+        return PaddedContexts(slots, mask[:, None, None, :])
 
     @staticmethod
     def single(input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.forward_batch import ForwardBatch
+from kvsplice.engine.forward_batch import ForwardBatch, PaddedContexts
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, out_slots: torch.Tensor, pool: KVPool) -> None:
@@ -49,6 +49,36 @@ def _is_plain_causal(query_pos: torch.Tensor, context_pos: torch.Tensor) -> bool
 def paged_attention(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool, scale: float,
                     sliding_window: Optional[int] = None) -> torch.Tensor:
     """Attention of `q [T, Hq, D]` (already rotated) over each request's context in `pool`.
+
+    Contract: the K/V of this forward's tokens are already in the pool (`store_kv` first), and each
+    request's `context_slots` include its own query tokens' slots (else a query row may have
+    nothing to attend to). Returns `[T, Hq, D]` in q.dtype. Reads the pool only.
+
+    A pure decode step of several requests takes one batched SDPA call over padded contexts
+    (`decode_attention`); everything else, and the reference for both, is
+    `paged_attention_reference`.
+    """
+    padded = batch.padded_decode if sliding_window is None else None
+    if padded is not None:
+        return decode_attention(q, layer_id, padded, pool, scale)
+    return paged_attention_reference(q, layer_id, batch, pool, scale, sliding_window)
+
+
+def decode_attention(q: torch.Tensor, layer_id: int, padded: PaddedContexts, pool: KVPool,
+                     scale: float) -> torch.Tensor:
+    """One query per request, all requests in one SDPA call: `q [B, Hq, D]` against the padded
+    contexts `[B, C]` (masked by position and padding). Same result as the reference path."""
+    k = pool.k_layer(layer_id)[padded.slots].to(q.dtype)   # [B, C, Hkv, D]
+    v = pool.v_layer(layer_id)[padded.slots].to(q.dtype)
+    attended = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=padded.mask, scale=scale, enable_gqa=True)
+    return attended[:, :, 0, :]
+
+
+def paged_attention_reference(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool, scale: float,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
+    """The readable path: each request on its own, gather its context slots, position mask, SDPA.
 
     Contract: the K/V of this forward's tokens are already in the pool (`store_kv` first), and each
     request's `context_slots` include its own query tokens' slots (else a query row may have
