@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsplice.bench.workload import SYSTEM_PROMPT, Document, load_corpus
+from kvsplice.bench.workload import SYSTEM_PROMPT, Document, load_corpus, take_words
 
 REPLY_PLACEHOLDER = "<<turn 1 reply>>"
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -54,28 +54,18 @@ def fill_reply(messages: tuple[dict[str, Any], ...], reply: str) -> list[dict[st
     return [{**m, "content": reply} if m.get("content") == REPLY_PLACEHOLDER else dict(m) for m in messages]
 
 
-def _words(rng: random.Random, corpus: tuple[Document, ...], n_words: int) -> tuple[str, str]:
-    start = rng.randrange(len(corpus))
-    words: list[str] = []
-    offset = start
-    while len(words) < n_words:
-        words.extend(corpus[offset % len(corpus)].words)
-        offset += 1
-    return corpus[start].title, " ".join(words[:n_words])
-
-
 def _agent_turn1(rng: random.Random, corpus: tuple[Document, ...], n_steps: int,
                  result_words: int) -> list[dict[str, Any]]:
     """System prompt, task, notes, then `n_steps` of (assistant <think> + tool call, tool result)."""
-    _, task = _words(rng, corpus, 14)
+    _, task = take_words(rng, corpus, 14)
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": f"Task: explain how these fit together, citing the docs. Context: {task}"},
         {"role": "user", "content": "Working notes:\n- (none yet)"},
     ]
     for step in range(n_steps):
-        _, reasoning = _words(rng, corpus, 40)
-        title, result = _words(rng, corpus, result_words)
+        _, reasoning = take_words(rng, corpus, 40)
+        title, result = take_words(rng, corpus, result_words)
         messages.append({"role": "assistant", "content": (
             f"<think>I should check {title} next. {reasoning}</think>\n"
             f"read_doc({json.dumps({'name': title})})")})

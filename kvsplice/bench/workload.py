@@ -120,7 +120,7 @@ class _Sizes:
     max_output_tokens: int
 
 
-def _take_words(rng: random.Random, corpus: tuple[Document, ...], n_words: int) -> tuple[str, str]:
+def take_words(rng: random.Random, corpus: tuple[Document, ...], n_words: int) -> tuple[str, str]:
     """A title and `n_words` words starting at a random document, running on into the following ones."""
     start = rng.randrange(len(corpus))
     words: list[str] = []
@@ -133,8 +133,8 @@ def _take_words(rng: random.Random, corpus: tuple[Document, ...], n_words: int) 
 
 def _agent_step(rng: random.Random, corpus: tuple[Document, ...], sizes: _Sizes, step: int) -> list[dict[str, Any]]:
     """The assistant's reasoning + tool call and the tool's result for one step."""
-    _, reasoning = _take_words(rng, corpus, sizes.reasoning_words)
-    title, result = _take_words(rng, corpus, sizes.result_words)
+    _, reasoning = take_words(rng, corpus, sizes.reasoning_words)
+    title, result = take_words(rng, corpus, sizes.result_words)
     call_id = f"call_{step}"
     assistant = {
         "role": "assistant",
@@ -168,7 +168,7 @@ def _replace_with_note(messages: list[dict[str, Any]], tool_offset: int) -> list
 
 def _update_note(rng: random.Random, corpus: tuple[Document, ...],
                  messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    title, gist = _take_words(rng, corpus, 10)
+    title, gist = take_words(rng, corpus, 10)
     notes = messages[2]
     updated = {**notes, "content": f"{notes['content']}\n- {title}: {gist}"}
     return messages[:2] + [updated] + messages[3:]
@@ -224,7 +224,7 @@ def _compact(messages: list[dict[str, Any]], sizes: _Sizes) -> tuple[list[dict[s
 
 def _conversation(rng: random.Random, corpus: tuple[Document, ...], conversation_id: str, n_turns: int,
                   sizes: _Sizes, cache_salt: Optional[str]) -> Conversation:
-    _, task_words = _take_words(rng, corpus, 12)
+    _, task_words = take_words(rng, corpus, 12)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": f"Task: explain how these fit together, citing the docs. Context: {task_words}"},

@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich 2019), computed in fp32 like transformers' LlamaRMSNorm."""
+"""RMSNorm (Zhang & Sennrich 2019), computed in fp32 like transformers' LlamaRMSNorm, and the
+zero-centred variant of Qwen3.5 / Qwen3-Next."""
 
 from __future__ import annotations
 
@@ -20,3 +21,19 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """y = norm(x) * (1 + weight), in fp32, cast to x.dtype at the end (transformers'
+    `Qwen3_5RMSNorm` / `Qwen3NextRMSNorm`: the stored weight is centred on 0)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dim; any leading shape."""
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)

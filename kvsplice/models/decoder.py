@@ -37,25 +37,9 @@ from kvsplice.engine.forward_batch import ForwardBatch
 from kvsplice.layers.attention import paged_attention, store_kv
 from kvsplice.layers.gated_deltanet import GatedDeltaNet
 from kvsplice.layers.mlp import SwiGLU
-from kvsplice.layers.norm import RMSNorm
+from kvsplice.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from kvsplice.layers.rotary import Rotary, apply_rope
 from kvsplice.models.config import ModelConfig
-
-
-class ZeroCenteredRMSNorm(nn.Module):
-    """y = norm(x) * (1 + weight), in fp32, cast to x.dtype at the end (transformers'
-    `Qwen3_5RMSNorm` / `Qwen3NextRMSNorm`: the stored weight is centred on 0)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dim; any leading shape."""
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, dim: int, dtype: torch.dtype) -> nn.Module:
