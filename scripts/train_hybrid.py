@@ -61,13 +61,13 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    teacher_windows: int = 60  # training windows labelled by the teacher (top-k) before training
+    teacher_windows: int = 64  # training windows labelled by the teacher (top-k) before training
     teacher_top_k: int = 32
     teacher_weight: float = 0.5  # loss = (1 - w) * text CE + w * teacher CE on labelled windows
-    eval_windows: int = 12
-    train_minutes: float = 20.0
-    save_every_minutes: float = 4.0
-    expected_steps: int = 300  # length of the cosine schedule; training stops earlier at train_minutes
+    eval_windows: int = 24
+    train_minutes: float = 30.0
+    save_every_minutes: float = 5.0
+    expected_steps: int = 650  # length of the cosine schedule; training stops earlier at train_minutes
 
 
 def student_config(train: TrainConfig, teacher_config) -> Qwen3_5TextConfig:
@@ -178,6 +178,9 @@ def build_student(train: TrainConfig, teacher) -> Qwen3_5ForCausalLM:
     with torch.no_grad():
         embedding = projected_embedding(teacher.get_input_embeddings().weight.float(), train.hidden_size)
         student.get_input_embeddings().weight.copy_(embedding)
+        # Qwen3.5's RMSNorm scales by (1 + weight): -0.9 starts the final norm at 0.1, so the tied logits of a
+        # fresh model are near uniform (at scale 1.0 it predicts its own input token with ~26 nats of loss).
+        student.model.norm.weight.fill_(-0.9)
     return student
 
 
@@ -221,14 +224,16 @@ def learning_rate(train: TrainConfig, step: int) -> float:
 
 
 def save_model(student, out_dir: Path, tokenizer_dir: Path, train: TrainConfig, metrics: dict) -> int:
-    """Write a bf16 copy of `student`, the tokenizer files and the run's args/metrics to `out_dir`.
+    """Write `student`'s weights in bf16 (transformers loads them as float32 unless asked for another dtype),
+    the tokenizer files and the run's args/metrics to `out_dir`.
 
     Written to a sibling temp dir first, then swapped in, so `out_dir` is always a complete model.
     Returns the directory's total size in bytes."""
     staging = out_dir.with_name(out_dir.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
-    state = {name: tensor.to(torch.bfloat16) for name, tensor in student.state_dict().items()}
-    student.config.dtype = torch.bfloat16
+    # lm_head.weight is tied to the embedding: leave it out so the file holds the 49152 x 256 matrix once.
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in student.state_dict().items()
+             if name != "lm_head.weight"}
     student.save_pretrained(staging, state_dict=state)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
