@@ -72,8 +72,14 @@ BENCHMARKS = (
               "The same multi-session edited workload through sglang-router with each policy: prefix and relocated "
               "shares, prefilled tokens and TTFT per policy."),
     Benchmark("hybrid_speed", "Hybrid (Gated DeltaNet) model speed against transformers", "hybrid",
-              "python benchmarks/hybrid_speed.py",
-              "Prefill and decode speed of a hybrid linear-attention model against transformers on the same weights."),
+              "python benchmarks/hybrid_speed.py --model-dir models/hybrid-mini",
+              "Prefill and decode speed of the trained hybrid (models/hybrid-mini) against transformers on the "
+              "same weights."),
+    Benchmark("hybrid_fidelity", "SCR on a trained hybrid: state modes against exact recompute", "hybrid",
+              "python benchmarks/hybrid_fidelity.py --out runs/hybrid_fidelity.json",
+              "The built-in edit cases on the trained hybrid: fork / checkpoint / none state modes and prefix "
+              "caching alone (scr off, exact), with KL, top-1 and greedy agreement and the tokens computed per "
+              "edited turn."),
 )
 
 

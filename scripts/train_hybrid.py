@@ -68,6 +68,11 @@ class TrainConfig:
     train_minutes: float = 30.0
     save_every_minutes: float = 5.0
     expected_steps: int = 650  # length of the cosine schedule; training stops earlier at train_minutes
+    # Slow, frozen per-head decay of the Gated DeltaNet layers (A_log, dt_bias): with transformers'
+    # default init (A in [1, 16]) the decay per token is ~1e-3 and the short distillation keeps it
+    # there, so the linear layers forget everything beyond a token or two and no state mode of SCR
+    # can differ from another. Decay 0.93-0.997 per token makes the recurrent state carry context.
+    slow_decay: bool = False
 
 
 def student_config(train: TrainConfig, teacher_config) -> Qwen3_5TextConfig:
@@ -181,7 +186,23 @@ def build_student(train: TrainConfig, teacher) -> Qwen3_5ForCausalLM:
         # Qwen3.5's RMSNorm scales by (1 + weight): -0.9 starts the final norm at 0.1, so the tied logits of a
         # fresh model are near uniform (at scale 1.0 it predicts its own input token with ~26 nats of loss).
         student.model.norm.weight.fill_(-0.9)
+        if train.slow_decay:
+            _freeze_slow_decay(student)
     return student
+
+
+def _freeze_slow_decay(student) -> None:
+    """Set every linear layer's A in [0.005, 0.1] and dt_bias 0 (decay exp(-A * softplus(a)) ~ 0.93-0.997
+    per token at a = 0; Gated DeltaNet, Yang et al. 2025, eq. for alpha_t) and freeze both."""
+    for layer in student.model.layers:
+        attn = getattr(layer, "linear_attn", None)
+        if attn is None:
+            continue
+        heads = attn.A_log.numel()
+        attn.A_log.copy_(torch.linspace(0.005, 0.1, heads).log())
+        attn.dt_bias.zero_()
+        attn.A_log.requires_grad_(False)
+        attn.dt_bias.requires_grad_(False)
 
 
 def window_loss(student, ids: torch.Tensor, positions: torch.Tensor, teacher_logits: Optional[torch.Tensor],
@@ -296,7 +317,8 @@ def parse_args() -> tuple[TrainConfig, Path]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("models/hybrid-mini"))
     for name, default in asdict(TrainConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+        kind = (lambda text: text.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
     args = vars(parser.parse_args())
     out_dir = args.pop("out")
     return TrainConfig(**args), out_dir
