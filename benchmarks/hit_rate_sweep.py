@@ -1,7 +1,7 @@
 """The hit rate is the workload: prefix hit rate, relocated share and TTFT against the number of
 concurrent agent conversations, with the KV pool fixed.
 
-    python benchmarks/hit_rate_sweep.py [--model DIR] [--num-slots 12000] [--counts 1,2,4,8] [--out runs/sweep]
+    python benchmarks/hit_rate_sweep.py [--model DIR] [--num-slots 5000] [--counts 1,2,4,8] [--out runs/sweep]
 
 Starts one kvsplice server (default model unless --model) with a pool of --num-slots tokens, writes a
 synthetic agent trace, and runs `kvsplice bench --sweep` against it: for each count the cache is
@@ -24,10 +24,10 @@ from kvsplice.server.request_log import RequestLog
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--num-slots", type=int, default=12_000)
+    parser.add_argument("--num-slots", type=int, default=5_000)
     parser.add_argument("--counts", default="1,2,4,8")
-    parser.add_argument("--min-tokens", type=int, default=1200)
-    parser.add_argument("--max-tokens", type=int, default=2400)
+    parser.add_argument("--min-tokens", type=int, default=600)
+    parser.add_argument("--max-tokens", type=int, default=1200)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/sweep")
