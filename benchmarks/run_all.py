@@ -35,7 +35,7 @@ class Benchmark:
 
 BENCHMARKS = (
     Benchmark("engine_speed", "Engine speed against transformers (same weights, same process)", "engine core",
-              "python benchmarks/engine_speed.py --out runs/engine_speed.json",
+              "python benchmarks/engine_speed.py --repeats 5 --out runs/engine_speed.json",
               "Prefill tokens/s of one 2,048-token prompt and decode tokens/s at 1 and 8 concurrent requests, each "
               "as a ratio against transformers' forward / generate() on the same weights; prefill MFU against the "
               "fp32 matmul peak measured in the same run. Goals: prefill >= 1.0x, 8-way decode >= 2x transformers' "

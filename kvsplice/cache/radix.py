@@ -237,6 +237,19 @@ class RadixCache:
             depth -= len(path_node)
         return path[-1], 0
 
+    @staticmethod
+    def path_checkpoints(node: TreeNode) -> dict[int, int]:
+        """{depth in tokens: state slot} of every checkpoint on the path from the root to `node`
+        (exact states of that path's prefixes). Reads only; the slots stay the tree's."""
+        path = list(RadixCache._path_to_root(node))
+        depth = sum(len(path_node) for path_node in path)
+        found = {}
+        for path_node in path:
+            if path_node.state_checkpoint is not None:
+                found[depth] = path_node.state_checkpoint
+            depth -= len(path_node)
+        return found
+
     def num_checkpoints(self) -> int:
         """State slots held by the tree as checkpoints."""
         return self._num_checkpoints

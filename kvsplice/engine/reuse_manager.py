@@ -26,7 +26,8 @@ segment that follows relocated tokens their state is replaced according to `stat
     new prompt   [ A: radix, from a checkpoint ][ B' ][ relocated span ][ tail, C2 .. ][ relocated ][ D ]
     linear state   copy of the checkpoint  ->  run  ->  load  ->  run    ->  load  ->  run
     fork:        load = the previous sequence's final state
-    checkpoint:  load = the session's saved state nearest before the span's old end
+    checkpoint:  load = the saved state nearest before the span's old end (the session's own, or
+                 an exact checkpoint on the session's locked radix path)
     none:        no load (the relocated tokens are simply skipped)
 
 A session keeps its previous sequence's states (checkpoints + final) privately; copies of the
@@ -201,7 +202,10 @@ class ReuseManager:
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
         scr.plan = result.plan
         if self.cache.states is not None:
-            self._plan_state_loads(req, result.plan, kv.states, scr.cfg.state_mode, match.length)
+            # the session's own states, and the exact checkpoints on its locked radix path (the
+            # tree's copies of states from turns whose prefix was served from the cache)
+            candidates = {**self.cache.radix.path_checkpoints(kv.exact_node), **kv.states}
+            self._plan_state_loads(req, result.plan, candidates, scr.cfg.state_mode, match.length)
             self.cache.alloc_checkpoints(req)
         if update_stats:
             req.reuse = ReuseStats.from_plan_result(result, prompt_len=len(req.prompt_ids),

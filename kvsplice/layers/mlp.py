@@ -19,4 +19,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., hidden]` -> `[..., hidden]`."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # in place: the gate's activation buffer is reused for the product (one fewer
+        # [tokens, intermediate] allocation per layer; safe, nothing else holds it)
+        hidden = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        return self.down_proj(hidden)
