@@ -7,6 +7,12 @@ import torch
 from torch import nn
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, in fp32 (returns fp32)."""
+    x32 = x.to(torch.float32)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)); the normalisation runs in fp32 and is cast back to
     x.dtype BEFORE the weight multiply, exactly as transformers does (so bf16 results match)."""
@@ -18,9 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise over the last dim; any leading shape."""
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -34,6 +38,4 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise over the last dim; any leading shape."""
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
