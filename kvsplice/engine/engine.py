@@ -88,11 +88,13 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     cache_salt: str | None = None, session_id: str | None = None,
                     scr: str | dict | None = None, keep_last_logits: int = 0) -> str:
-        """Queue a request; returns its id. `keep_last_logits`: return the raw next-token logits
-        of the last N prompt positions that are computed (not those served from a cache) in the
-        first RequestOutput (for fidelity measurements). Raises ValueError for input that can never be served
-        (empty prompt, unknown token ids, too long for the context or the pool) and
-        QueueFullError when the queue is full."""
+        """Queue a request; returns its id.
+
+        `keep_last_logits`: return, in the first RequestOutput, the raw next-token logits of the
+        last N prompt positions that are computed (not those served from a cache), for fidelity
+        measurements. Raises ValueError for input that can never be served (empty prompt, unknown
+        token ids, too long for the context or the pool) and QueueFullError when the queue is full.
+        """
         rid = rid or f"req-{next(self._rid_counter)}"
         self._validate(rid, prompt_ids, params)
         if len(self.scheduler.waiting) >= self.config.max_waiting:

@@ -186,16 +186,13 @@ class ReuseManager:
         result.plan.validate(old_ids, req.prompt_ids, len(old_ids))
         self.cache.radix.lock(match.node)
         fresh = self._with_room(lambda: self.cache.alloc(len(req.prompt_ids) - match.length))
-        if fresh is None:
+        if fresh is None or not self.cache.admit_state(req, match):
+            if fresh is not None:
+                self.cache.allocator.free(fresh)
             self.cache.radix.unlock(match.node)
             self._count_fallback("alloc_failed")
-            plain = prefill_breakdown(old_ids, req.prompt_ids, runs, prefix_len=match.length,
-                                      keeps=(), tail=scr.cfg.tail)
-            return self._admit_plain(req, update_stats, "matched", PlanResult(None, "alloc_failed", plain))
-        if not self.cache.admit_state(req, match):
-            self.cache.allocator.free(fresh)
-            self.cache.radix.unlock(match.node)
-            self._count_fallback("alloc_failed")
+            # no breakdown: the eviction that failed to make room may have shortened the prefix the
+            # plain admission now matches, so the plan's breakdown would not add up
             return self._admit_plain(req, update_stats, "matched", PlanResult(None, "alloc_failed", None))
         self.cache.install(req, match, fresh)
         self._relocate(req, result.plan, kv.slots(), scr.cfg)

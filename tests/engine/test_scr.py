@@ -122,7 +122,7 @@ def test_other_salt_never_relocates_and_tree_stays_exact(model_dir):
     assert edited.reuse.relocated_tokens > 0
     # shares TURN2's first 120 tokens, which include relocated entries after offset 50
     sibling = TURN2[:120] + ids(15, 9)
-    out = llm.generate([sibling], GREEDY.__class__(**{**GREEDY.__dict__}), cache_salt="tenant-a",
+    out = llm.generate([sibling], GREEDY, cache_salt="tenant-a",
                        scr="off")[0]
     assert out.reuse.prefix_tokens <= len(SYSTEM) + 10
     assert_close(out, cold(model_dir, sibling))
