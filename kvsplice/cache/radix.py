@@ -3,7 +3,7 @@
 Modelled on SGLang's `mem_cache/radix_cache.py` (lock refs on the matched path, LRU eviction of
 unlocked leaves, incremental evictable/protected sizes) and mini-sglang's `check_integrity`.
 
-Each namespace (a request's `cache_salt`; `None` is its own namespace) has its own root, so two
+Each namespace (any hashable key: the engine uses a request's (owner, cache_salt); `None` is a namespace too) has its own root, so two
 namespaces never share a node: a request can only ever match K/V that were inserted under its own
 namespace. A namespace's root is dropped as soon as its last child goes, so roots do not leak.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Hashable, Iterator, Optional, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ class TreeNode:
                  "namespace", "state_checkpoint")
 
     def __init__(self, node_id: int, key: TokenKey, slots: torch.Tensor, parent: Optional["TreeNode"],
-                 namespace: Optional[str], last_access: float):
+                 namespace: Hashable, last_access: float):
         self.node_id = node_id
         self.key = key
         self.slots = slots
@@ -122,7 +122,7 @@ class RadixCache:
         self._num_checkpoints = 0
         self._clock = itertools.count(1)
         self._node_ids = itertools.count()
-        self._roots: dict[Optional[str], TreeNode] = {}
+        self._roots: dict[Hashable, TreeNode] = {}
         self._evictable_leaves: set[TreeNode] = set()
         self._evictable_size = 0
         self._protected_size = 0
@@ -130,7 +130,7 @@ class RadixCache:
     # ------------------------------------------------------------------ public API
 
     def match_prefix(self, token_ids: Sequence[int] | torch.Tensor,
-                     namespace: Optional[str]) -> PrefixMatch:
+                     namespace: Hashable) -> PrefixMatch:
         """Longest cached prefix of `token_ids` in `namespace`.
 
         Side effects: if the match ends inside a node, that node is split at the match end (the
@@ -148,7 +148,7 @@ class RadixCache:
         return PrefixMatch(slots, node, length)
 
     def insert(self, token_ids: Sequence[int] | torch.Tensor, slots: torch.Tensor,
-               namespace: Optional[str]) -> int:
+               namespace: Hashable) -> int:
         """Insert `token_ids` with their `slots` under `namespace`; return `n_present`.
 
         `n_present` is the number of leading tokens that were already cached. The tree takes over
@@ -303,7 +303,7 @@ class RadixCache:
         """Slots held by locked nodes."""
         return self._protected_size
 
-    def namespaces(self) -> list[Optional[str]]:
+    def namespaces(self) -> list[Hashable]:
         """Namespaces that currently hold at least one node."""
         return list(self._roots)
 
@@ -361,7 +361,7 @@ class RadixCache:
     def _empty_slots() -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
 
-    def _new_root(self, namespace: Optional[str]) -> TreeNode:
+    def _new_root(self, namespace: Hashable) -> TreeNode:
         return TreeNode(next(self._node_ids), (), self._empty_slots(), None, namespace, self._tick())
 
     def _walk(self, root: TreeNode, key: TokenKey) -> tuple[TreeNode, int, list[torch.Tensor]]:
@@ -457,7 +457,7 @@ class RadixCache:
             yield depth, node
             stack.extend((depth + 1, child) for _, child in sorted(node.children.items(), reverse=True))
 
-    def _check_node(self, node: TreeNode, namespace: Optional[str]) -> None:
+    def _check_node(self, node: TreeNode, namespace: Hashable) -> None:
         parent = node.parent
         assert node.key and parent is not None, f"empty or orphan node {node!r}"
         assert parent.children.get(node.key[0]) is node, f"child key mismatch at {node!r}"

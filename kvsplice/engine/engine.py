@@ -22,7 +22,7 @@ from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
-from kvsplice.engine.request import Req, ReqStatus, RequestOutput
+from kvsplice.engine.request import Namespace, Req, ReqStatus, RequestOutput
 from kvsplice.engine.reuse_manager import ReuseManager
 from kvsplice.engine.runner import ChunkResult, ModelRunner
 from kvsplice.engine.scheduler import Chunk, Scheduler
@@ -87,8 +87,12 @@ class Engine:
     # ----- requests in ------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     cache_salt: str | None = None, session_id: str | None = None,
-                    scr: str | dict | None = None, keep_last_logits: int = 0) -> str:
+                    scr: str | dict | None = None, keep_last_logits: int = 0, owner: str | None = None) -> str:
         """Queue a request; returns its id.
+
+        `owner`: the tenant the request belongs to (the server derives it from the API key); with
+        `cache_salt` it forms the request's cache namespace: K/V, prefixes and SCR sessions are
+        shared only within one (owner, cache_salt).
 
         `keep_last_logits`: return, in the first RequestOutput, the raw next-token logits of the
         last N prompt positions that are computed (not those served from a cache), for fidelity
@@ -99,7 +103,7 @@ class Engine:
         self._validate(rid, prompt_ids, params)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
-        req = Req(rid, list(prompt_ids), params, namespace=cache_salt, session_id=session_id,
+        req = Req(rid, list(prompt_ids), params, namespace=Namespace(owner, cache_salt), session_id=session_id,
                   arrival_s=time.perf_counter(), generator=make_generator(params.seed),
                   keep_last_logits=keep_last_logits)
         req.scr = self.reuse.request_config(scr, cache_salt)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,15 @@ class StateReuse:
     mode: str = "prefix"
     splices: int = 0
     loaded_from: tuple[int | None, ...] = ()
+
+
+class Namespace(NamedTuple):
+    """The cache namespace of a request: the tenant that sent it (`owner`, set by the server from the
+    API key; None without authentication) and its `cache_salt`. Radix entries and SCR sessions are
+    keyed by it, so two namespaces never share K/V; a client chooses its salt but never its owner."""
+
+    owner: str | None
+    cache_salt: str | None
 
 
 class ReqStatus(enum.Enum):
@@ -81,7 +91,7 @@ class Req:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    namespace: str | None = None
+    namespace: Namespace = Namespace(None, None)
     session_id: str | None = None
     arrival_s: float = 0.0
     status: ReqStatus = ReqStatus.WAITING

@@ -39,7 +39,7 @@ class Session:
     shared cache, counted against session_max_tokens."""
 
     session_id: str
-    namespace: str | None
+    namespace: Hashable
     token_ids: list[int] = field(default_factory=list)
     payload: object = None
     inflight: int = 0
@@ -89,9 +89,9 @@ class SessionStore:
     def __init__(self, cfg: ReuseConfig) -> None:
         """An empty store governed by cfg's match_* thresholds, max_sessions and session_max_tokens."""
         self.cfg = cfg
-        self._sessions: OrderedDict[tuple[str | None, str], Session] = OrderedDict()  # oldest first
-        self._index: dict[tuple[str | None, Hashable], dict[str, Session]] = {}
-        self._index_key: dict[int, tuple[str | None, Hashable]] = {}  # id(session) -> its index key
+        self._sessions: OrderedDict[tuple[Hashable, str], Session] = OrderedDict()  # oldest first
+        self._index: dict[tuple[Hashable, Hashable], dict[str, Session]] = {}
+        self._index_key: dict[int, tuple[Hashable, Hashable]] = {}  # id(session) -> its index key
         self._clock = itertools.count(1)
         self._next_number = itertools.count(1)
 
@@ -107,7 +107,7 @@ class SessionStore:
         """Sum of all sessions' private_tokens."""
         return sum(session.private_tokens for session in self._sessions.values())
 
-    def create(self, namespace: str | None, session_id: str | None = None) -> Session:
+    def create(self, namespace: Hashable, session_id: str | None = None) -> Session:
         """A new empty session (most recently used); its id is `session_id` or a fresh "s000001"-style
         one. Raises SessionError if the id already exists in this namespace. Call
         evict_over_limits() afterwards."""
@@ -119,7 +119,7 @@ class SessionStore:
         self._sessions[(namespace, session_id)] = session
         return session
 
-    def _fresh_id(self, namespace: str | None) -> str:
+    def _fresh_id(self, namespace: Hashable) -> str:
         """An id not used in `namespace`."""
         while True:
             session_id = f"s{next(self._next_number):06d}"
@@ -181,7 +181,7 @@ class SessionStore:
             count, held = count - 1, held - session.private_tokens
         return evicted
 
-    def match(self, new_ids: Sequence[int], namespace: str | None, session_id: str | None = None) -> SessionMatch:
+    def match(self, new_ids: Sequence[int], namespace: Hashable, session_id: str | None = None) -> SessionMatch:
         """The session a request with prompt new_ids continues, or None with the reason.
 
         With session_id: that session of the same namespace ("explicit"), else None

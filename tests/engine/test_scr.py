@@ -8,6 +8,7 @@ import torch
 
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import LLM, build_engine
+from kvsplice.engine.request import Namespace
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
@@ -90,7 +91,7 @@ def _relocated_layer0_keys(llm, prompt, session_id):
 def _fresh_layer0_keys(model_dir, prompt, plan):
     llm = make_llm(model_dir)
     llm.generate([prompt], GREEDY)
-    match = llm.engine.cache.radix.match_prefix(prompt, None)
+    match = llm.engine.cache.radix.match_prefix(prompt, Namespace(None, None))
     offsets = torch.cat([torch.arange(k.dst_pos, k.dst_end) for k in plan.keeps])
     return llm.engine.cache.pool.k[0][match.slots[offsets]]
 
