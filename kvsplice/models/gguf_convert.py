@@ -16,13 +16,17 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
+from typing import Optional
 
 import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+from kvsplice.models.manifest import ModelCacheError, check_cache, source_identity, write_manifest
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose q/k rows llama.cpp stores in the interleaved RoPE layout.
@@ -44,6 +48,9 @@ BLOCK_TENSOR_NAMES = {
 }
 BLOCK_TENSOR_PATTERN = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 WEIGHTS_FILE = "model.safetensors"
+# Recorded in every manifest; bump it when the output of a conversion changes, so caches written
+# by an older converter are re-converted (when their GGUF is still there).
+CONVERTER_VERSION = "2"
 
 
 def interleaved_to_half_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -203,17 +210,18 @@ def save_gguf_tokenizer(gguf_path: Path, out_dir: Path, config: dict) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True, replace: bool = False) -> Path:
     """Convert `gguf_path` into an HF directory at `out_dir` and return `out_dir`.
 
-    Writes config.json, model.safetensors (fp32), tokenizer files and generation_config.json into
-    a temporary sibling directory, then renames it onto `out_dir`, so an interrupted conversion
-    never leaves a partial `out_dir`. If `out_dir` already exists (e.g. another process won the
-    race) the existing directory is kept and returned. Raises ValueError for unreadable or
-    unsupported GGUF files.
+    Writes config.json, model.safetensors (fp32), tokenizer files, generation_config.json and,
+    last, the manifest (`kvsplice.models.manifest`) into a temporary sibling directory, then
+    renames it onto `out_dir`, so an interrupted conversion never leaves a partial `out_dir`. An
+    existing `out_dir` is kept and returned as is unless `replace` (then the new conversion takes
+    its place); if another process publishes `out_dir` first, theirs is kept. Raises ValueError for
+    unreadable or unsupported GGUF files.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if out_dir.exists():
+    if out_dir.exists() and not replace:
         return out_dir
     reader = open_gguf(gguf_path)
     config = build_hf_config(reader)
@@ -228,10 +236,51 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         save_gguf_tokenizer(gguf_path, staging, config)
+        write_manifest(staging, source_identity(gguf_path), CONVERTER_VERSION)
+        publish_directory(staging, out_dir, replace)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def publish_directory(staging: Path, out_dir: Path, replace: bool) -> None:
+    """Move a finished conversion into place; each step is one atomic rename.
+
+        out_dir absent:   staging --rename--> out_dir
+        replace:          out_dir --rename--> .out_dir.replaced-PID --rmtree
+                          staging --rename--> out_dir
+    If `out_dir` appears meanwhile (another process converted it), that one is kept.
+    """
+    if replace and out_dir.exists():
+        retired = out_dir.parent / f".{out_dir.name}.replaced-{os.getpid()}"
+        shutil.rmtree(retired, ignore_errors=True)
+        os.rename(out_dir, retired)
+        shutil.rmtree(retired, ignore_errors=True)
+    try:
         os.rename(staging, out_dir)
     except OSError:
         if not out_dir.exists():
             raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
+
+
+def ensure_converted(source: Optional[Path], out_dir: Path, progress: bool = True) -> Path:
+    """Return `out_dir` once it is an intact, current conversion of the GGUF `source`.
+
+    `source` is None when the GGUF is unavailable. An intact cache is returned after stat calls
+    only (see `check_cache`). A missing cache is converted; a damaged one, one without a manifest
+    (older kvsplice) or a stale one (older converter, changed source) is re-converted from
+    `source`, with one line on stderr saying why. A stale but intact cache is kept when `source`
+    is None. Raises ModelCacheError (a ValueError) when the cache is unusable and `source` is None.
+    """
+    verdict = check_cache(out_dir, CONVERTER_VERSION, source)
+    if verdict.problem is None or (verdict.usable and source is None):
+        return out_dir
+    if source is None:
+        origin = (f"the GGUF it was converted from ({verdict.manifest.source.path}) is gone" if verdict.manifest
+                  else "the GGUF it was converted from is unknown")
+        raise ModelCacheError(f"the model cache {out_dir} {verdict.problem}, and {origin}: "
+                              "put the GGUF back, or delete the directory and convert again")
+    if out_dir.exists():
+        print(f"kvsplice: the model cache {out_dir} {verdict.problem}; re-converting it from {source}",
+              file=sys.stderr)
+    return convert_gguf(source, out_dir, progress, replace=out_dir.exists())

@@ -3,7 +3,8 @@
 Dispatch of `load_checkpoint(path_or_id)`:
   None-like default name  -> the pulled default model directory (SmolLM2-135M-Instruct)
   directory               -> HF model directory (config.json + safetensors)
-  *.gguf file             -> converted once into cache_dir()/models/gguf/<stem>-<key>/, then as a directory
+  *.gguf file             -> converted once into cache_dir()/models/gguf/<stem>-<key>/ (checked against
+                             its manifest on every load, re-converted when damaged), then as a directory
   other file              -> llama2.c v0 `.bin` checkpoint (+ `tok*.bin` / `tokenizer.bin` beside it)
   "org/name"              -> huggingface_hub.snapshot_download, then as a directory
 """
@@ -18,12 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, default_model_dir, find_default_gguf
 from kvsplice.models.default_model import pull_default_model
-from kvsplice.models.gguf_convert import convert_gguf
+from kvsplice.models.gguf_convert import ensure_converted
 from kvsplice.models.llama2c import find_llama2c_tokenizer, load_llama2c, read_llama2c_tokenizer
+from kvsplice.models.manifest import MANIFEST_FILE, read_manifest
 from kvsplice.tokenizer import Tokenizer
 
 DTYPE_NAMES = {
@@ -63,10 +66,18 @@ def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> di
     return {name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()}
 
 
+def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file; ValueError when it is truncated or not safetensors."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from error
+
+
 def read_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
     if (model_dir / SINGLE_WEIGHTS_FILE).is_file():
-        return load_file(str(model_dir / SINGLE_WEIGHTS_FILE))
+        return read_safetensors_file(model_dir / SINGLE_WEIGHTS_FILE)
     index_path = model_dir / SHARD_INDEX_FILE
     if not index_path.is_file():
         raise ValueError(f"{model_dir} has neither {SINGLE_WEIGHTS_FILE} nor {SHARD_INDEX_FILE}")
@@ -78,12 +89,33 @@ def read_safetensors_dir(model_dir: Path) -> dict[str, torch.Tensor]:
     for shard_name in shard_names:
         if not (model_dir / shard_name).is_file():
             raise ValueError(f"{index_path} lists shard {shard_name}, which is missing")
-        state_dict.update(load_file(str(model_dir / shard_name)))
+        state_dict.update(read_safetensors_file(model_dir / shard_name))
     return state_dict
 
 
+def verified_cache_dir(model_dir: Path) -> Path:
+    """`model_dir`, proven intact by its manifest (a directory kvsplice converted from a GGUF).
+
+    Re-converts from the GGUF the manifest names when the directory is damaged or stale; raises
+    ModelCacheError (a ValueError) when it is damaged and that GGUF is gone.
+    """
+    try:
+        manifest = read_manifest(model_dir)
+    except ValueError:
+        manifest = None
+    recorded_source = Path(manifest.source.path) if manifest is not None else None
+    source = recorded_source if recorded_source is not None and recorded_source.is_file() else None
+    return ensure_converted(source, model_dir)
+
+
 def load_hf_dir(model_dir: Path, dtype: torch.dtype, name: str, source_path: str) -> Checkpoint:
-    """Load an HF model directory (config.json, safetensors, tokenizer files)."""
+    """Load an HF model directory (config.json, safetensors, tokenizer files).
+
+    A directory with a kvsplice manifest (a converted GGUF) is verified first: it is never loaded
+    damaged (see `verified_cache_dir`).
+    """
+    if (model_dir / MANIFEST_FILE).exists():
+        verified_cache_dir(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} is not a model directory: config.json is missing")
@@ -150,7 +182,7 @@ def load_checkpoint(path_or_id: str, dtype: torch.dtype = torch.float32) -> Chec
         return load_hf_dir(path, dtype, path.resolve().name, str(path))
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            converted = convert_gguf(path, gguf_cache_dir(path))
+            converted = ensure_converted(path, gguf_cache_dir(path))
             return load_hf_dir(converted, dtype, path.stem, str(path))
         if path.suffix.lower() == ".bin":
             return load_llama2c_file(path, dtype)

