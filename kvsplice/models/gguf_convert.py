@@ -270,7 +270,8 @@ def ensure_converted(source: Optional[Path], out_dir: Path, progress: bool = Tru
     only (see `check_cache`). A missing cache is converted; a damaged one, one without a manifest
     (older kvsplice) or a stale one (older converter, changed source) is re-converted from
     `source`, with one line on stderr saying why. A stale but intact cache is kept when `source`
-    is None. Raises ModelCacheError (a ValueError) when the cache is unusable and `source` is None.
+    is None. Raises ModelCacheError (a ValueError) when the cache is unusable and `source` is None,
+    or when the conversion cannot be written (disk full, read-only cache).
     """
     verdict = check_cache(out_dir, CONVERTER_VERSION, source)
     if verdict.problem is None or (verdict.usable and source is None):
@@ -283,4 +284,7 @@ def ensure_converted(source: Optional[Path], out_dir: Path, progress: bool = Tru
     if out_dir.exists():
         print(f"kvsplice: the model cache {out_dir} {verdict.problem}; re-converting it from {source}",
               file=sys.stderr)
-    return convert_gguf(source, out_dir, progress, replace=out_dir.exists())
+    try:
+        return convert_gguf(source, out_dir, progress, replace=out_dir.exists())
+    except OSError as error:  # a full disk or a read-only cache: say so instead of a traceback
+        raise ModelCacheError(f"cannot write the model cache {out_dir}: {error}") from error

@@ -193,3 +193,9 @@ def test_an_older_converter_version_is_reconverted_when_the_source_is_there(tmp_
     ensure_converted(tiny_gguf[0], out_dir, progress=False)
     assert "converter version 0" in capsys.readouterr().err
     assert read_manifest(out_dir).converter_version == CONVERTER_VERSION
+
+
+def test_a_cache_that_cannot_be_written_is_a_clean_error(tmp_path, tiny_gguf):
+    (tmp_path / "not-a-dir").write_text("a file where the cache's parent should be")
+    with pytest.raises(ModelCacheError, match="cannot write the model cache"):
+        ensure_converted(tiny_gguf[0], tmp_path / "not-a-dir" / "out", progress=False)
