@@ -77,10 +77,13 @@ class CacheVerdict:
     manifest: Optional[Manifest]
 
 
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file's content (reads it once, in OpenSSL's chunked loop)."""
+def sha256_of(path: Path, sync: bool = False) -> str:
+    """Hex sha256 of a file's content (reads it once, in OpenSSL's chunked loop); `sync` also fsyncs it."""
     with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        if sync:
+            os.fsync(handle.fileno())
+    return digest
 
 
 def stat_key(path: Path) -> list[int]:
@@ -111,12 +114,14 @@ def write_json_atomically(path: Path, payload: dict) -> None:
 def write_manifest(directory: Path, source: SourceIdentity, converter_version: str) -> Manifest:
     """Hash every file in `directory`, stamp them as verified, then write the manifest (last, atomically).
 
-    Side effects: reads every file once; writes STAMP_FILE, then MANIFEST_FILE.
+    Side effects: reads and fsyncs every file once (a manifest never describes data that is not on
+    disk yet); writes STAMP_FILE, then MANIFEST_FILE.
     """
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in BOOKKEEPING_FILES)
-    files = {name: FileRecord((directory / name).stat().st_size, sha256_of(directory / name)) for name in names}
+    keys = {name: stat_key(directory / name) for name in names}
+    files = {name: FileRecord(keys[name][0], sha256_of(directory / name, sync=True)) for name in names}
     manifest = Manifest(converter_version, source, files)
-    stamp = {"files": {name: stamp_entry(directory / name, files[name].sha256) for name in names}}
+    stamp = {"files": {name: stamp_entry(keys[name], files[name].sha256) for name in names}}
     write_json_atomically(directory / STAMP_FILE, stamp)
     write_json_atomically(directory / MANIFEST_FILE, {
         "format": MANIFEST_FORMAT,
@@ -127,9 +132,13 @@ def write_manifest(directory: Path, source: SourceIdentity, converter_version: s
     return manifest
 
 
-def stamp_entry(path: Path, sha256: str) -> dict:
-    """What the stamp remembers of a file whose content matched `sha256` just now."""
-    return {"stat": stat_key(path), "sha256": sha256}
+def stamp_entry(key: list[int], sha256: str) -> dict:
+    """What the stamp remembers of a file whose content matched `sha256` while its stat key was `key`.
+
+    Callers take `key` before hashing: a file written during the hash gets a new key, so it is
+    hashed again next time instead of being stamped with content that was never checked.
+    """
+    return {"stat": key, "sha256": sha256}
 
 
 def read_manifest(directory: Path) -> Optional[Manifest]:
@@ -187,12 +196,13 @@ def hash_problem(directory: Path, manifest: Manifest, stamp: dict) -> Optional[s
     stamped = stamp.setdefault("files", {})
     for name, record in manifest.files.items():
         path = directory / name
-        if stamped.get(name) == stamp_entry(path, record.sha256):
+        key = stat_key(path)
+        if stamped.get(name) == stamp_entry(key, record.sha256):
             continue
         stamped.pop(name, None)
         if sha256_of(path) != record.sha256:
             return f"{name} does not match its sha256 in the manifest"
-        stamped[name] = stamp_entry(path, record.sha256)
+        stamped[name] = stamp_entry(key, record.sha256)
     return None
 
 
@@ -212,14 +222,15 @@ def source_problem(manifest: Manifest, source: Optional[Path], stamp: dict) -> O
     if source is None:
         return None
     recorded = manifest.source
-    stat = source.stat()
-    if stat.st_size != recorded.size:
-        return f"was converted from a different GGUF ({recorded.size} bytes, {source} has {stat.st_size})"
-    if stat.st_mtime_ns == recorded.mtime_ns or stamp.get("source") == stamp_entry(source, recorded.sha256):
+    key = stat_key(source)
+    size, mtime_ns = key[0], key[1]
+    if size != recorded.size:
+        return f"was converted from a different GGUF ({recorded.size} bytes, {source} has {size})"
+    if mtime_ns == recorded.mtime_ns or stamp.get("source") == stamp_entry(key, recorded.sha256):
         return None
     if sha256_of(source) != recorded.sha256:
         return f"was converted from a different GGUF ({source} changed since)"
-    stamp["source"] = stamp_entry(source, recorded.sha256)
+    stamp["source"] = stamp_entry(key, recorded.sha256)
     return None
 
 
