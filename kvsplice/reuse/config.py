@@ -19,7 +19,8 @@ STATE_MODES: tuple[str, ...] = ("fork", "checkpoint", "none")
 
 @dataclass(frozen=True)
 class ReuseConfig:
-    """All SCR settings. Construction validates every field and raises ValueError on bad values."""
+    """All SCR settings. Construction validates every field and raises ValueError on bad values;
+    every field has a lower and an upper bound (`_INT_RANGE`, fractions in [0, 1])."""
 
     enabled: bool = True
     max_spans: int = 6  # K: spans relocated per request, the longest first
@@ -105,46 +106,60 @@ FIELD_TYPES: dict[str, type] = {
     "checkpoint_every": int,
 }
 
-# Smallest allowed value of each integer setting; tail >= 1 keeps the prompt's last token computed.
-_INT_MINIMUM = {
-    "max_spans": 0,
-    "tail": 1,
-    "min_span": 1,
-    "max_sessions": 1,
-    "session_max_tokens": 0,
-    "match_window": 1,
-    "match_min_tokens": 1,
-    "fastdiff_min": 0,
-    "cdc_target": 4,
-    "checkpoint_every": 0,
+# Every setting's range, inclusive. Lower bounds: tail >= 1 keeps the prompt's last token computed.
+# Upper bounds keep every value inside what the code can represent and what makes sense:
+# token counts (spans, windows, thresholds, spacing) at most MAX_TOKENS, longer than any model's
+# context; cdc_target at most 2**16 (a chunk mean beyond that finds no chunk inside real prompts,
+# and the rolling hash's bit mask must fit 64 bits); at most 1,024 relocated spans per request;
+# at most 2**20 tracked sessions and 2**32 private session tokens (beyond any pool's memory);
+# fractions and margins in [0, 1] (they compare token overlaps, which lie in [0, 1]).
+MAX_TOKENS = 1 << 22
+_INT_RANGE = {
+    "max_spans": (0, 1024),
+    "tail": (1, MAX_TOKENS),
+    "min_span": (1, MAX_TOKENS),
+    "max_sessions": (1, 1 << 20),
+    "session_max_tokens": (0, 1 << 32),
+    "match_window": (1, MAX_TOKENS),
+    "match_min_tokens": (1, MAX_TOKENS),
+    "fastdiff_min": (0, MAX_TOKENS),
+    "cdc_target": (4, 1 << 16),
+    "checkpoint_every": (0, MAX_TOKENS),
 }
+_FLOAT_RANGE = (0.0, 1.0)
 
 
-def check_field(name: str, value: Any) -> None:
-    """Raise ValueError unless `value` has the type of setting `name` and lies in its range.
-    Booleans are not accepted as numbers, and numbers are not accepted as booleans."""
+class SettingError(ValueError):
+    """A bad SCR setting; `param` names it as the request spells it (e.g. "scr.cdc_target")."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_field(name: str, value: Any, label: str | None = None) -> None:
+    """Raise SettingError (a ValueError) unless `value` has the type of setting `name` and lies in its
+    range (see _INT_RANGE; fractions in [0, 1]). Booleans are not accepted as numbers, and numbers are
+    not accepted as booleans. `label`: how the message names the setting (default: `name`)."""
+    label = label or name
     kind = FIELD_TYPES.get(name)
     if kind is None:
-        raise ValueError(f"unknown SCR setting: {name}")
+        raise SettingError(f"unknown SCR setting: {label}", label)
     if kind is str:
         if value not in STATE_MODES:
-            raise ValueError(f"{name} must be one of {', '.join(STATE_MODES)}, got {value!r}")
+            raise SettingError(f"{label} must be one of {', '.join(STATE_MODES)}, got {value!r}", label)
         return
     if kind is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a boolean, got {value!r}")
+            raise SettingError(f"{label} must be a boolean, got {value!r}", label)
         return
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ValueError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-    if kind is float:
-        upper = float("inf") if name == "match_ambig_margin" else 1.0
-        if not 0.0 <= value <= upper:
-            raise ValueError(f"{name} must lie in [0, {upper}], got {value!r}")
-        return
-    if value < _INT_MINIMUM[name]:
-        raise ValueError(f"{name} must be >= {_INT_MINIMUM[name]}, got {value!r}")
+        raise SettingError(f"{label} must be {'a number' if kind is float else 'an integer'}, got {value!r}", label)
+    lower, upper = _FLOAT_RANGE if kind is float else _INT_RANGE[name]
+    if not lower <= value <= upper:  # NaN fails too
+        raise SettingError(f"{label} must lie in [{lower}, {upper}], got {value!r}", label)
     if name == "cdc_target" and value & (value - 1):
-        raise ValueError(f"cdc_target must be a power of 2 (it is used as a bit mask), got {value!r}")
+        raise SettingError(f"{label} must be a power of 2 (it is used as a bit mask), got {value!r}", label)
 
 
 def parse_str(raw: str) -> str:
@@ -238,27 +253,28 @@ def parse_request_override(scr: str | dict | None, cache_salt: str | None, base:
     `scr="off"` or `cache_salt == "kvreuse:off"` (the overlay's salt form) turns SCR off; `scr="on"`
     keeps `base`; a dict of per-request settings (names in REQUEST_FIELDS, e.g. {"max_spans": 2,
     "tail": 8, "no_rerotate": True}) overrides `base`. Unknown or server-wide keys, bad types and
-    out-of-range values raise ValueError (the server answers 400). The salt stays the request's
-    cache namespace; that is the caller's business.
+    out-of-range values (see _INT_RANGE for the bounds) raise SettingError, a ValueError naming the
+    field (the server answers 400). The salt stays the request's cache namespace; that is the
+    caller's business.
     """
     config = base
     if isinstance(scr, str):
         if scr not in ("on", "off"):
-            raise ValueError(f"scr must be 'on', 'off' or an object of settings, got {scr!r}")
+            raise SettingError(f"scr must be 'on', 'off' or an object of settings, got {scr!r}", "scr")
         if scr == "off":
             config = config.replace(enabled=False)
     elif isinstance(scr, dict):
         bad = sorted(str(key) for key in scr if key not in REQUEST_FIELDS)
         if bad:
-            raise ValueError(
+            raise SettingError(
                 f"scr: unknown or server-wide setting(s) {', '.join(bad)}; "
-                f"allowed per request: {', '.join(sorted(REQUEST_FIELDS))}"
+                f"allowed per request: {', '.join(sorted(REQUEST_FIELDS))}", f"scr.{bad[0]}"
             )
         for key, value in scr.items():
-            check_field(key, value)
+            check_field(key, value, label=f"scr.{key}")
         config = config.replace(**scr)
     elif scr is not None:
-        raise ValueError(f"scr must be a string, an object or null, got {type(scr).__name__}")
+        raise SettingError(f"scr must be a string, an object or null, got {type(scr).__name__}", "scr")
     if cache_salt == SALT_OFF:
         config = config.replace(enabled=False)
     return config

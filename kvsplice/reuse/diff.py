@@ -13,17 +13,21 @@ Two paths (shared/reference/scr-reference-notes.md §4):
 - fast path, when both sequences hold at least `fastdiff_min` tokens: content-defined chunking
   (CDC), chunks interned to integers, SequenceMatcher over the chunk ids, equal chunk blocks mapped
   back to tokens and extended token by token, short gaps refined at token level, then VERIFIED.
-  A run list that fails verification (or an exception) falls back to the token-level diff and is
-  counted in the caller's DiffStats.
+  A run list that fails verification, or any exception raised by the fast path (a bug or an
+  out-of-range setting must never end the caller), falls back to the token-level diff and is
+  counted in the caller's DiffStats; an exception is also logged with its traceback.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,13 +107,7 @@ def diff_tokens(
     elif min(len(old_mid), len(new_mid)) < fastdiff_min:
         middle, path = token_runs(old_mid, new_mid), "token"
     else:
-        try:
-            middle = (fast_runs or chunked_runs)(old_mid, new_mid, cdc_target)
-            path = "fast" if verify_runs(old_mid, new_mid, middle) else "fallback"
-        except (ValueError, IndexError):
-            path = "fallback"
-        if path == "fallback":
-            middle = token_runs(old_mid, new_mid)
+        middle, path = _fast_or_token_runs(old_mid, new_mid, cdc_target, fast_runs or chunked_runs)
     runs = [EqualRun(0, 0, head)] if head else []
     runs += [EqualRun(run.old_offset + head, run.new_offset + head, run.length) for run in middle]
     if tail:
@@ -117,6 +115,21 @@ def diff_tokens(
     if stats is not None:
         stats.record(path)
     return merge_adjacent(runs)
+
+
+def _fast_or_token_runs(old: list[int], new: list[int], cdc_target: int,
+                        fast_runs: FastRuns) -> tuple[list[EqualRun], DiffPath]:
+    """The fast path's runs if they verify, else the token path's ("fallback"). Any exception of the
+    fast path (not only the expected ValueError / IndexError) is caught: the fast path is an
+    optimisation, and the token path gives a correct answer whatever went wrong."""
+    try:
+        runs = fast_runs(old, new, cdc_target)
+        if verify_runs(old, new, runs):
+            return runs, "fast"
+    except Exception:  # noqa: BLE001 -- see the docstring
+        logger.warning("the fast diff path failed (cdc_target=%r); using the token diff", cdc_target,
+                       exc_info=True)
+    return token_runs(old, new), "fallback"
 
 
 def common_prefix_len(old_ids: Sequence[int], new_ids: Sequence[int], limit: int | None = None) -> int:

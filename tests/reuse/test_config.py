@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 
-from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, REQUEST_FIELDS, ReuseConfig, parse_request_override
+from kvsplice.reuse.config import (
+    _INT_RANGE, ENV_TABLE, FIELD_TYPES, REQUEST_FIELDS, ReuseConfig, SettingError, check_field, parse_request_override,
+)
 
 
 def test_defaults_follow_the_overlay_config():
@@ -49,7 +51,7 @@ def test_replace_validates_and_rejects_unknown_names():
         ReuseConfig().replace(tail=True)
     with pytest.raises(ValueError, match="boolean"):
         ReuseConfig().replace(enabled=1)
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ValueError, match=r"tail must lie in \[1, "):
         ReuseConfig(tail=0)
 
 
@@ -81,3 +83,37 @@ def test_request_override_dict():
 def test_request_override_rejects_bad_input(scr):
     with pytest.raises(ValueError):
         parse_request_override(scr, None, ReuseConfig())
+
+
+def test_every_numeric_setting_has_an_upper_bound():
+    numeric = {name for name, kind in FIELD_TYPES.items() if kind in (int, float)}
+    assert {name for name, kind in FIELD_TYPES.items() if kind is int} == set(_INT_RANGE)
+    for name in numeric:
+        kind = FIELD_TYPES[name]
+        upper = _INT_RANGE[name][1] if kind is int else 1.0
+        check_field(name, upper)
+        for beyond in ((upper * 2 if kind is int else 1.5), 2**60, float("nan"), float("inf")):
+            if kind is int and isinstance(beyond, float):
+                continue
+            with pytest.raises(SettingError, match=name):
+                check_field(name, beyond)
+
+
+def test_the_issue_reproducer_is_refused_naming_the_field():
+    """{"cdc_target": 2**60, "fastdiff_min": 0} once overflowed the diff's fast path."""
+    with pytest.raises(SettingError, match=r"scr\.cdc_target must lie in \[4, 65536\]") as refused:
+        parse_request_override({"cdc_target": 2**60, "fastdiff_min": 0}, None, ReuseConfig())
+    assert refused.value.param == "scr.cdc_target"
+    assert parse_request_override({"cdc_target": 2**16, "fastdiff_min": 0}, None, ReuseConfig()).cdc_target == 2**16
+    for scr, param in (({"tail": 10**9}, "scr.tail"), ({"max_spans": 5000}, "scr.max_spans"),
+                       ({"min_span": -1}, "scr.min_span"), ({"bogus": 1}, "scr.bogus"), ("maybe", "scr")):
+        with pytest.raises(SettingError) as refused:
+            parse_request_override(scr, None, ReuseConfig())
+        assert refused.value.param == param
+
+
+def test_env_values_beyond_their_bound_name_the_variable():
+    with pytest.raises(ValueError, match="KVREUSE_CDC_TARGET"):
+        ReuseConfig.from_env({"KVREUSE_CDC_TARGET": str(2**60)})
+    with pytest.raises(ValueError, match="KVREUSE_MATCH_AMBIG_MARGIN"):
+        ReuseConfig.from_env({"KVREUSE_MATCH_AMBIG_MARGIN": "inf"})

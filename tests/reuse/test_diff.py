@@ -152,6 +152,27 @@ def test_forced_verification_failure_falls_back_to_token_diff():
     assert diff_tokens(old, new, stats=stats) == runs and stats.fast == 1
 
 
+def test_any_fast_path_exception_falls_back_never_escapes(caplog):
+    """An out-of-range chunk size (2**60 overflowed the rolling hash's bit mask) or any other
+    exception of the fast path gives the token path's runs, counted and logged."""
+    rng = random.Random(3)
+    old = _document(rng, 600)
+    new = old[:100] + _document(rng, 20) + old[150:]
+    expected = diff_tokens(old, new, fastdiff_min=10**9)   # the token path
+    stats = DiffStats()
+    assert diff_tokens(old, new, fastdiff_min=0, cdc_target=2**60, stats=stats) == expected
+    assert stats.last_path == "fallback" and any(r.exc_info for r in caplog.records)
+
+    def raising(kind):
+        def fast(old_mid, new_mid, target):
+            raise kind("boom")
+        return fast
+
+    for kind in (OverflowError, TypeError, KeyError, RuntimeError, AssertionError):
+        assert diff_tokens(old, new, fastdiff_min=0, stats=stats, fast_runs=raising(kind)) == expected
+    assert stats.fallbacks == 6
+
+
 def test_128k_tokens_with_a_few_edits_is_fast():
     rng = random.Random(2)
     old = _document(rng, 131_072)
