@@ -7,11 +7,18 @@ caller's own thread for `LLM.generate`).
         step: Scheduler.schedule ─> ModelRunner.run (one forward) ─> _postprocess
               ─> sample, detokenize, stop checks ─> RequestOutput deltas
         finish: CacheManager.release (exact part into the radix tree) ─> session update
+
+Failures: an exception while admitting, running or postprocessing a request fails only that
+request (see `_fail`): its traceback is logged, everything it held is freed, and its final
+RequestOutput carries `finish_reason="error"` and the message. A forward (or sampling) that fails
+for a batch is re-run chunk by chunk to find the culprit (`_run`). An exception outside every
+request's handling escapes `step()`; the caller decides whether the engine can go on.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,6 +29,7 @@ from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
+from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.request import Namespace, Req, ReqStatus, RequestOutput
 from kvsplice.engine.reuse_manager import ReuseManager
 from kvsplice.engine.runner import ChunkResult, ModelRunner
@@ -31,9 +39,20 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting`; retry later (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """Request `rid` failed inside the engine (an unexpected exception while serving it, logged with
+    its traceback); the other requests were not affected (HTTP 500 naming the request id)."""
+
+    def __init__(self, rid: str, message: str):
+        super().__init__(f"request {rid} failed: {message}")
+        self.rid, self.message = rid, message
 
 
 @dataclass
@@ -42,6 +61,7 @@ class EngineCounters:
 
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefix_tokens: int = 0
@@ -59,8 +79,11 @@ def default_state_slots(config: EngineConfig) -> int:
 
 
 class Engine:
+    """The step loop over one model. `failpoints`: a test seam (kvsplice.engine.failpoints) that
+    makes chosen stages fail; None (the default) costs nothing."""
+
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
-                 config: EngineConfig, name: str = "model"):
+                 config: EngineConfig, name: str = "model", failpoints: Failpoints | None = None):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -75,13 +98,17 @@ class Engine:
             states = StatePool(config.num_state_slots or default_state_slots(config), model_config.num_linear_layers,
                                model_config.linear_attn, dtype=dtype, device=config.device)
         self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoint_every)
-        self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary)
+        self.failpoints = failpoints
+        self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
+                                  failpoints=failpoints)
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
-        self.runner = ModelRunner(model, pool, states)
+        self.runner = ModelRunner(model, pool, states, failpoints=failpoints)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Req] = []
+        self._failed: dict[str, str] = {}   # rid -> error message, until its final output is out
+        self._solo: set[str] = set()        # hybrids: rids to run in a forward of their own (see _run)
         self._rid_counter = itertools.count()
 
     # ----- requests in ------------------------------------------------------------------
@@ -107,10 +134,11 @@ class Engine:
                   arrival_s=time.perf_counter(), generator=make_generator(params.seed),
                   keep_last_logits=keep_last_logits)
         req.scr = self.reuse.request_config(scr, cache_salt)
-        self._reqs[rid] = req
-        self._detoks[rid] = IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             lambda ids, skip=params.skip_special_tokens: self.tokenizer.decode(ids, skip_special_tokens=skip),
             params.stop, context_ids=prompt_ids[-5:])
+        # registered only once everything is built: a constructor that raises leaves no trace
+        self._reqs[rid], self._detoks[rid] = req, detok
         self.scheduler.add(req)
         return rid
 
@@ -144,17 +172,69 @@ class Engine:
         return self.scheduler.has_work() or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and return the outputs it produced."""
+        """Run one scheduling step and return the outputs it produced (failed requests' final
+        outputs included). Raises only for failures outside every request's handling."""
+        if self.failpoints is not None:
+            self.failpoints.check("step")
         outputs = [self._output(r, (), "", ()) for r in self._aborted]
         self._aborted.clear()
-        chunks = self.scheduler.schedule()
-        if chunks:
-            results = self.runner.run(chunks)
-            self.counters.forward_steps += 1
-            outputs += [o for c, r in zip(chunks, results) if (o := self._postprocess(c, r))]
+        chunks = self.scheduler.schedule()   # a request whose admission raises is failed there
+        for chunk, result in self._run(chunks):
+            if (out := self._postprocess_or_fail(chunk, result)) is not None:
+                outputs.append(out)
+        outputs += [self._output(req, (), "", ()) for req in self._take_failed()]
         if not self.scheduler.has_work():
             self.check_integrity()
         return outputs
+
+    def _run(self, chunks: list[Chunk]) -> list[tuple[Chunk, ChunkResult]]:
+        """The step's forward and sampling, (chunk, result) for the chunks that succeeded.
+
+        A forward is one call for the whole batch, so an exception does not say whose chunk caused
+        it. Dense models: every chunk is re-run alone at once; one that fails alone is failed, the
+        others go on. This is sound because a forward writes K/V only into its chunks' own slots
+        (offsets still pending, never shared with the radix tree), so a re-run overwrites whatever
+        the failed one half-wrote with the same values, and a chunk's result depends only on its
+        own request. Hybrid models: the linear layers update each request's state in place layer
+        by layer, so a failed forward leaves states half-advanced and a re-run would be wrong;
+        every request of the batch is preempted instead (re-admission recomputes it exactly) and
+        marked to run alone next time (`_solo`) until one forward of its own succeeds. Either way
+        each innocent request advances at least one step per failure, so none starves; a seeded
+        random sample drawn by the failed call is drawn again (its generator may have advanced).
+        """
+        solo = [c for c in chunks if c.req.rid in self._solo]
+        shared = [c for c in chunks if c.req.rid not in self._solo]
+        done = self._run_batch(shared) if shared else []
+        for chunk in solo:
+            done += self._run_batch([chunk])
+            self._solo.discard(chunk.req.rid)
+        if chunks:
+            self.counters.forward_steps += 1
+        return done
+
+    def _run_batch(self, chunks: list[Chunk]) -> list[tuple[Chunk, ChunkResult]]:
+        try:
+            return list(zip(chunks, self.runner.run(chunks)))
+        except Exception as exc:  # noqa: BLE001 -- isolated below, never ignored
+            if len(chunks) == 1:
+                self._fail(chunks[0].req, exc, "forward")
+                return []
+            rids = [c.req.rid for c in chunks]
+            logger.warning("a forward of %d requests failed (%r); isolating the culprit among %s",
+                           len(chunks), exc, rids)
+        if self.runner.states is not None:
+            for chunk in chunks:
+                self.scheduler.preempt(chunk.req)
+                self._solo.add(chunk.req.rid)
+            return []
+        return [pair for chunk in chunks for pair in self._run_batch([chunk])]
+
+    def _postprocess_or_fail(self, chunk: Chunk, result: ChunkResult) -> RequestOutput | None:
+        try:
+            return self._postprocess(chunk, result)
+        except Exception as exc:  # noqa: BLE001 -- fails this request only
+            self._fail(chunk.req, exc, "postprocess")
+            return None
 
     def _postprocess(self, chunk: Chunk, result: ChunkResult) -> RequestOutput | None:
         req = chunk.req
@@ -170,6 +250,8 @@ class Engine:
         token = result.token_id
         req.output_ids.append(token)
         detok = self._detoks[req.rid]
+        if self.failpoints is not None:
+            self.failpoints.check("detokenize", [req.rid])
         # a stopping token (eos, stop_token_ids) is counted but never shown, as in vLLM
         text = "" if self._stops_on_token(req, token) else detok.add(token)
         reason = self._stop_reason(req, token)
@@ -195,10 +277,17 @@ class Engine:
 
     # ----- admission, preemption, finish ------------------------------------------------
     def _admit(self, req: Req) -> bool:
+        """The scheduler's admission callback: True once `req` has its slots. An exception fails
+        `req` (it leaves the queue) and answers False, which ends this step's admissions."""
         if req.wants_prompt_logprobs and req.prompt_logprobs is None:
             req.prompt_logprobs = [None] * len(req.prompt_ids)
         first_time = req.num_preemptions == 0
-        if not self.reuse.admit(req, update_stats=first_time):
+        try:
+            admitted = self.reuse.admit(req, update_stats=first_time)
+        except Exception as exc:  # noqa: BLE001 -- fails this request only
+            self._fail(req, exc, "admission")
+            return False
+        if not admitted:
             return False
         if first_time:
             self._count_admission(req)
@@ -217,18 +306,40 @@ class Engine:
         self.counters.preemptions += 1
 
     def _finish(self, req: Req, reason: str) -> None:
+        """`req` ends ("stop", "length", "abort" or "error"): its slots go back (into the radix
+        tree and its SCR session only for a normal end), it leaves the scheduler."""
         req.finish_reason = reason
         if req.seq_slots is not None:
-            self.reuse.finish(req, cache=reason != "abort")
+            self.reuse.finish(req, cache=reason not in ("abort", "error"))
         else:
             self.reuse.forget(req)
         self.scheduler.remove(req)
+        self._solo.discard(req.rid)
         req.status = ReqStatus.FINISHED
         self.counters.generation_tokens += len(req.output_ids)
         if reason == "abort":
             self.counters.requests_aborted += 1
+        elif reason == "error":
+            self.counters.requests_failed += 1
         else:
             self.counters.requests_finished += 1
+
+    def _fail(self, req: Req, exc: BaseException, stage: str) -> None:
+        """`req` raised `exc` during `stage`: log the traceback, free everything it holds (slots,
+        radix locks, state slots, its session's in-flight mark: nothing of it is cached, its K/V
+        may be half written), and queue its final output with the error. Then the pool must still
+        add up; if it does not (a failure left a leak behind), AssertionError escapes: the engine
+        cannot go on safely."""
+        message = f"{type(exc).__name__} during {stage}: {exc}"
+        logger.error("request %s failed during %s", req.rid, stage, exc_info=exc)
+        if req.status is not ReqStatus.FINISHED:
+            self._finish(req, "error")
+        self._failed[req.rid] = message
+        self.check_integrity()
+
+    def _take_failed(self) -> list[Req]:
+        """Failed requests whose final output is still to be emitted (`_output` clears them)."""
+        return [self._reqs[rid] for rid in self._failed]
 
     def _output(self, req: Req, tokens: tuple[int, ...], text: str, lps: tuple) -> RequestOutput:
         finished = req.status is ReqStatus.FINISHED
@@ -238,7 +349,7 @@ class Engine:
         out = RequestOutput(req.rid, tokens, text, lps, finished, req.finish_reason,
                             len(req.prompt_ids), len(req.output_ids), req.reuse, prompt_lps, ttft,
                             dict(req.prompt_logits) if first and req.keep_last_logits else None,
-                            req.state_reuse)
+                            req.state_reuse, error=self._failed.pop(req.rid, None) if finished else None)
         if finished:
             self._reqs.pop(req.rid, None)
             self._detoks.pop(req.rid, None)

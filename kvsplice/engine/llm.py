@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvsplice.config import EngineConfig
-from kvsplice.engine.engine import Engine
+from kvsplice.engine.engine import Engine, RequestFailedError
+from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.request import RequestOutput
 from kvsplice.layers.sampler import TokenLogprob
 from kvsplice.models.config import ModelConfig
@@ -39,9 +40,9 @@ class GenerationResult:
     state_reuse: object | None = None   # hybrid models: StateReuse (checkpoint depth, state mode)
 
 
-def build_engine(config: EngineConfig) -> Engine:
+def build_engine(config: EngineConfig, failpoints: Failpoints | None = None) -> Engine:
     """Load `config.model` (a local HF dir, a GGUF file, a llama2.c .bin, a hub id, or None for
-    the default model) and build an Engine around it."""
+    the default model) and build an Engine around it (`failpoints`: a test seam, see Engine)."""
     path = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype)
     ckpt = load_checkpoint(path, dtype=dtype)
@@ -49,7 +50,7 @@ def build_engine(config: EngineConfig) -> Engine:
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict)
     model.to(config.device).eval()
-    return Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name)
+    return Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name, failpoints=failpoints)
 
 
 class LLM:
@@ -66,7 +67,8 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None,
                  **request_kwargs) -> list[GenerationResult]:
         """Run every prompt (text or token ids) to completion, batched; results in input order.
-        `request_kwargs` (cache_salt, session_id, scr) apply to every prompt."""
+        `request_kwargs` (cache_salt, session_id, scr) apply to every prompt. Raises
+        RequestFailedError (once every request has ended) if one failed inside the engine."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -84,7 +86,7 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                **request_kwargs) -> Iterator[RequestOutput]:
         """Yield one RequestOutput delta per generated token; the last has finished=True.
-        Closing the iterator early aborts the request."""
+        Closing the iterator early aborts the request. RequestFailedError if it fails."""
         rid = self.engine.add_request(self._encode(prompt), params or SamplingParams(), **request_kwargs)
         finished = False
         try:
@@ -92,6 +94,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.rid == rid:
                         finished = out.finished
+                        if out.error is not None:
+                            raise RequestFailedError(rid, out.error)
                         yield out
         finally:
             if not finished:
@@ -107,6 +111,8 @@ class LLM:
     @staticmethod
     def _merge(rid: str, prompt_ids: list[int], outs: list[RequestOutput]) -> GenerationResult:
         last = outs[-1]
+        if last.error is not None:
+            raise RequestFailedError(rid, last.error)
         token_ids = [t for o in outs for t in o.new_token_ids]
         return GenerationResult(rid, prompt_ids, token_ids, "".join(o.new_text for o in outs),
                                 last.finish_reason, [lp for o in outs for lp in o.logprobs],

@@ -66,7 +66,8 @@ class RequestOutput:
     """One step's news about a request (a delta; the final one has `finished=True`).
 
     `prompt_logprobs` comes on the first output only (one entry per prompt token; the first is
-    None because nothing predicts token 0). `reuse` says where the prompt's K/V came from.
+    None because nothing predicts token 0). `reuse` says where the prompt's K/V came from. A request
+    that failed inside the engine ends with finish_reason "error" and the message in `error`.
     """
 
     rid: str
@@ -74,7 +75,7 @@ class RequestOutput:
     new_text: str
     logprobs: tuple[TokenLogprob, ...]
     finished: bool
-    finish_reason: str | None          # "stop" | "length" | "abort" | None
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None
     prompt_tokens: int
     completion_tokens: int
     reuse: ReuseStats
@@ -82,6 +83,7 @@ class RequestOutput:
     ttft_s: float | None = None
     prompt_logits: dict[int, torch.Tensor] | None = None   # offset -> fp32 logits, if kept
     state_reuse: StateReuse | None = None                  # hybrid models only
+    error: str | None = None                               # why it failed (finish_reason "error")
 
 
 @dataclass

@@ -17,7 +17,11 @@ the session and never enters the tree. On finish only the exact part of the new 
 inserted into the tree; the session then swaps its old K/V for the new.
 
 Any failure (no session, no plan, no slots after eviction) falls back to plain prefix caching,
-with the reason recorded in the request's ReuseStats.
+with the reason recorded in the request's ReuseStats. So does an exception while planning
+(session match, prefix match, diff, plan, validation: fallback "error", logged with its
+traceback), since planning takes no slot and prefix caching serves the prompt exactly. An
+exception once slots are taken (allocation, relocation) propagates: the engine fails the request
+and frees what it holds.
 
 Hybrid models: full-attention layers relocate as above; linear layers cannot (their state is not
 per token), so they compute the same offsets in order, segment by segment, and before each
@@ -37,10 +41,12 @@ exact ones (lengths <= exact_len) go to the radix tree.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
 from kvsplice.models.config import ModelConfig
@@ -50,6 +56,8 @@ from kvsplice.reuse.diff import diff_tokens
 from kvsplice.reuse.plan import PlanResult, SpanPlan, make_plan, prefill_breakdown
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,8 +88,9 @@ class ScrRequest:
 
 class ReuseManager:
     def __init__(self, cache: CacheManager, model_config: ModelConfig, config: ReuseConfig,
-                 rotary=None):
+                 rotary=None, failpoints=None):
         self.cache = cache
+        self.failpoints = failpoints   # tests: kvsplice.engine.failpoints.Failpoints, or None
         self.model_config = model_config
         self.config = config
         self.rotary = rotary
@@ -115,6 +124,21 @@ class ReuseManager:
         scr = req.scr
         if scr is None or req.wants_prompt_logprobs:
             return self._admit_plain(req, update_stats, "off", PlanResult(None, None, None))
+        try:
+            match, result = self._plan(req, scr)
+        except Exception:  # noqa: BLE001 -- planning holds no slot: prefix caching is exact and safe
+            logger.exception("request %s: SCR planning failed; served by prefix caching", req.rid)
+            self._count_fallback("error")
+            return self._admit_plain(req, update_stats, scr.kind, PlanResult(None, "error", None))
+        if result.plan is None:
+            return self._admit_plain(req, update_stats, scr.kind, result)
+        return self._admit_scr(req, scr, match, result, update_stats)
+
+    def _plan(self, req: Req, scr: ScrRequest) -> tuple[PrefixMatch | None, PlanResult]:
+        """The request's session (attached once), its exact prefix, the diff and the validated
+        plan; a PlanResult without a plan (and its reason) when SCR cannot serve it. Takes no slot
+        and no lock (only the session's in-flight mark, which `forget` ends)."""
+        self._failpoint("match", req)
         if scr.session is None:
             self._attach_session(req, scr)
         session = scr.session
@@ -122,8 +146,24 @@ class ReuseManager:
             # a new conversation is no fallback; a matched one whose K/V is not there yet (its
             # previous turn still running) is
             reason = None if scr.kind == "new" else "session_has_no_kv"
-            return self._admit_plain(req, update_stats, scr.kind, PlanResult(None, reason, None))
-        return self._admit_scr(req, scr, session, update_stats)
+            return None, PlanResult(None, reason, None)
+        old_ids = session.token_ids
+        match = self.cache.match(req)
+        self._failpoint("diff", req)
+        runs = diff_tokens(old_ids, req.prompt_ids, fastdiff_min=scr.cfg.fastdiff_min,
+                           cdc_target=scr.cfg.cdc_target)
+        self._failpoint("plan", req)
+        result = make_plan(old_ids, req.prompt_ids, runs, prefix_len=match.length,
+                           old_kv_len=len(old_ids), cfg=scr.cfg)
+        if result.plan is not None and self.cache.states is not None:
+            result = self._hybrid_plan(result, old_ids, req.prompt_ids, runs, scr.cfg.tail)
+        if result.plan is not None:
+            result.plan.validate(old_ids, req.prompt_ids, len(old_ids))
+        return match, result
+
+    def _failpoint(self, stage: str, req: Req) -> None:
+        if self.failpoints is not None:
+            self.failpoints.check(stage, [req.rid])
 
     def _with_flops(self, req: Req) -> ReuseStats:
         """req.reuse with the prefill FLOPs spent on the offsets it computes, and saved."""
@@ -172,18 +212,11 @@ class ReuseManager:
                                                         prefix_len=req.prefix_len, session=kind)
         return True
 
-    def _admit_scr(self, req: Req, scr: ScrRequest, session: Session, update_stats: bool) -> bool:
-        old_ids, kv = session.token_ids, session.payload
-        match = self.cache.match(req)
-        runs = diff_tokens(old_ids, req.prompt_ids, fastdiff_min=scr.cfg.fastdiff_min,
-                           cdc_target=scr.cfg.cdc_target)
-        result = make_plan(old_ids, req.prompt_ids, runs, prefix_len=match.length,
-                           old_kv_len=len(old_ids), cfg=scr.cfg)
-        if result.plan is not None and self.cache.states is not None:
-            result = self._hybrid_plan(result, old_ids, req.prompt_ids, runs, scr.cfg.tail)
-        if result.plan is None:
-            return self._admit_plain(req, update_stats, "matched", result)
-        result.plan.validate(old_ids, req.prompt_ids, len(old_ids))
+    def _admit_scr(self, req: Req, scr: ScrRequest, match: PrefixMatch, result: PlanResult,
+                   update_stats: bool) -> bool:
+        """Slots for `result.plan`: the locked prefix, fresh slots for the rest, the kept spans
+        relocated into them. No room: prefix caching ("alloc_failed")."""
+        kv = scr.session.payload
         self.cache.radix.lock(match.node)
         fresh = self._with_room(lambda: self.cache.alloc(len(req.prompt_ids) - match.length))
         if fresh is None or not self.cache.admit_state(req, match):
@@ -252,6 +285,7 @@ class ReuseManager:
     def _relocate(self, req: Req, plan: SpanPlan, old_slots: torch.Tensor, cfg: ReuseConfig) -> None:
         rotary = None if cfg.no_rerotate else self.rotary
         for keep in plan.keeps:
+            self._failpoint("relocate", req)
             relocate(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
                      req.seq_slots[keep.dst_pos: keep.dst_end], keep.delta, rotary)
 

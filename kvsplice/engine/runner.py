@@ -31,12 +31,15 @@ class ChunkResult:
 
 
 class ModelRunner:
-    """Runs chunks through `model`; `states` is the StatePool of a hybrid model (None otherwise)."""
+    """Runs chunks through `model`; `states` is the StatePool of a hybrid model (None otherwise);
+    `failpoints` (tests) may make the forward or the sampling raise."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, states: StatePool | None = None):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, states: StatePool | None = None,
+                 failpoints=None):
         self.model = model
         self.pool = pool
         self.states = states
+        self.failpoints = failpoints
 
     def build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[dict[int, int]]]:
         """Flatten chunks into a ForwardBatch; also returns, per chunk, {offset: row of the
@@ -80,11 +83,15 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> list[ChunkResult]:
         """One forward over all chunks, then sampling. Writes the chunks' K/V into the pool."""
         batch, rows_per_chunk = self.build_batch(chunks)
+        if self.failpoints is not None:
+            self.failpoints.check("forward", [c.req.rid for c in chunks])
         if self.states is None:
             logits = self.model(batch, self.pool).float()
         else:
             logits = self.model(batch, self.pool, self.states).float()
         sampling = [(c, rows) for c, rows in zip(chunks, rows_per_chunk) if c.samples]
+        if self.failpoints is not None:
+            self.failpoints.check("sample", [c.req.rid for c, _ in sampling])
         tokens, token_lps = [], []
         if sampling:
             sample_rows = [rows[c.offsets[-1]] for c, rows in sampling]

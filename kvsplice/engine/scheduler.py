@@ -100,6 +100,11 @@ class Scheduler:
                 return False
         return True
 
+    def preempt(self, req: Req) -> None:
+        """Send running `req` back to the front of the queue, its slots freed (it is recomputed
+        when admitted again); the engine uses it when a failed forward left its state unknown."""
+        self._preempt(req)
+
     def _preempt(self, req: Req) -> None:
         self.preempt_fn(req)
         self.running.remove(req)
