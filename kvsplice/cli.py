@@ -127,8 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, os.environ)
     settings = ServerSettings(model_path=args.model, replica_name=args.replica_name,
                               reasoning_parser=args.reasoning_parser, host=args.host, port=args.port)
-    serve(config, settings, log_level=args.log_level)
-    return 0
+    return serve(config, settings, log_level=args.log_level)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -6,30 +6,58 @@
 Every engine call happens on the engine thread, so the Engine itself stays single-threaded.
 A caller that stops iterating (client disconnect, cancellation) aborts its request, which frees
 its slots.
+
+Failures:
+- a request that fails inside the engine ends its own stream with RequestFailedError (the engine
+  frees what it held; the others go on);
+- a refused request (duplicate id, full queue) is refused on the asyncio side before anything is
+  registered or sent to the engine thread, so it never waits for a step nor touches another
+  request's stream (the engine's own checks stay as a backstop);
+- a step that raises outside every request's handling is logged and retried while the pool still
+  adds up; MAX_STEP_FAILURES in a row, a broken pool, or any other exception in the thread stop
+  the engine for good: `alive` turns False (health checks fail), every stream and pending call
+  gets the error, and `on_fatal(exc)` runs (the server makes the process exit non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvsplice.engine.engine import Engine
+from kvsplice.engine.engine import Engine, QueueFullError, RequestFailedError
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+MAX_STEP_FAILURES = 3   # consecutive failed steps after which the engine thread gives up
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served until the process restarts."""
+
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    """`on_fatal`: called once, on the engine thread, with the exception that stopped it (set it
+    before `start()`); None: only `alive` and the streams say so."""
+
+    def __init__(self, engine: Engine, on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._loop, name="kvsplice-engine", daemon=True)
         self._stopping = threading.Event()
         self.error: BaseException | None = None
+        # requests sent to the engine thread and not yet added (see `queued`); each counter is
+        # written by one thread only
+        self._adds_sent = 0
+        self._adds_done = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -45,17 +73,33 @@ class AsyncEngine:
 
     # ----- engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
+        failures = 0
         try:
             while not self._stopping.is_set():
                 self._drain(block=not self.engine.has_work())
-                if self.engine.has_work():
-                    for out in self.engine.step():
-                        self._deliver(out)
-        except BaseException as exc:  # the engine is broken: fail every stream, loudly
-            self.error = exc
-            for rid in list(self._streams):
-                self._deliver_error(rid, exc)
-            raise
+                if not self.engine.has_work():
+                    continue
+                outputs, failures = self._step(failures)
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as exc:  # noqa: BLE001 -- the engine cannot go on: say so everywhere
+            self._die(exc)
+
+    def _step(self, failures: int) -> tuple[list[RequestOutput], int]:
+        """One engine step: (its outputs, consecutive failed steps so far). A failed step is
+        retried by the loop only while the pool still adds up (check_integrity raises otherwise);
+        MAX_STEP_FAILURES in a row raise EngineDeadError."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 -- judged below
+            failures += 1
+            logger.error("engine step failed (%d in a row)", failures, exc_info=exc)
+            if failures >= MAX_STEP_FAILURES:
+                raise EngineDeadError(f"{failures} engine steps in a row failed "
+                                      f"(last: {type(exc).__name__}: {exc})") from exc
+            self.engine.check_integrity()
+            return [], failures
+        return outputs, 0
 
     def _drain(self, block: bool) -> None:
         try:
@@ -77,32 +121,81 @@ class AsyncEngine:
         target = self._streams.get(out.rid)
         if target is None:
             return
-        loop, q = target
         if out.finished:
             self._streams.pop(out.rid, None)
-        loop.call_soon_threadsafe(q.put_nowait, out)
+        self._put(target, out if out.error is None else RequestFailedError(out.rid, out.error))
 
-    def _deliver_error(self, rid: str, exc: BaseException) -> None:
-        loop, q = self._streams.pop(rid)
-        loop.call_soon_threadsafe(q.put_nowait, exc)
+    @staticmethod
+    def _put(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
+        loop, q = target
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            pass
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine thread ends: fail every stream and pending call, then `on_fatal`."""
+        self.error = exc
+        logger.critical("the engine thread stopped; no request can be served", exc_info=exc)
+        for rid in list(self._streams):
+            target = self._streams.pop(rid, None)
+            if target is not None:
+                self._put(target, EngineDeadError(f"the engine stopped: {type(exc).__name__}: {exc}"))
+        self._fail_pending_calls()
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(exc)
+            except Exception:  # noqa: BLE001 -- nothing is left to tell
+                logger.exception("the engine's fatal-error hook failed")
+
+    def _fail_pending_calls(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                command[1].set_exception(EngineDeadError("the engine thread is not running"))
 
     # ----- asyncio side -----------------------------------------------------------------
+    def queued(self) -> int:
+        """Requests waiting for admission or on their way to the engine thread, known without
+        waiting for it: the length of the engine's waiting deque (read from this thread: len() of
+        a deque is one atomic operation, so this is a snapshot, correct within one admission),
+        plus the adds sent and not yet done. It may over-count by one, never under-count."""
+        return self.engine.num_waiting() + self._adds_sent - self._adds_done
+
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps and return its result (or raise)."""
         if not self.alive:
-            raise RuntimeError("the engine thread is not running")
+            raise EngineDeadError("the engine thread is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
+        if self.error is not None:  # it died after the check above: nobody else will answer
+            self._fail_pending_calls()
         return await asyncio.wrap_future(future)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, rid: str,
                        **request_kwargs) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs. Raises ValueError / QueueFullError from
-        `Engine.add_request` before the first output. Abandoning the iterator aborts it."""
+        """Submit a request and yield its outputs. Before the first output: ValueError for a
+        request id already in use (nothing of the live request is touched), QueueFullError at
+        once when the queue is full, and ValueError / QueueFullError from `Engine.add_request`.
+        RequestFailedError if the request fails inside the engine, EngineDeadError if the engine
+        stops. Abandoning the iterator aborts the request."""
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_waiting = self.engine.config.max_waiting
+        if self.queued() >= max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({max_waiting} requests)")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._adds_sent += 1
         try:
-            await self.call(lambda: self.engine.add_request(prompt_ids, params, rid=rid, **request_kwargs))
+            await self.call(lambda: self._add(prompt_ids, params, rid, request_kwargs))
+        except asyncio.CancelledError:  # the add may still run: do not leave it running unobserved
+            self._streams.pop(rid, None)
+            self._commands.put((lambda: self.engine.abort(rid), concurrent.futures.Future()))
+            raise
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -111,10 +204,18 @@ class AsyncEngine:
             while not finished:
                 item = await q.get()
                 if isinstance(item, BaseException):
-                    raise RuntimeError(f"the engine failed: {item!r}") from item
+                    finished = True
+                    raise item
                 finished = item.finished
                 yield item
         finally:
             if not finished:
                 self._streams.pop(rid, None)
                 self._commands.put((lambda: self.engine.abort(rid), concurrent.futures.Future()))
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams, rid: str, request_kwargs: dict) -> str:
+        """On the engine thread: add the request, and count it as no longer in transit."""
+        try:
+            return self.engine.add_request(prompt_ids, params, rid=rid, **request_kwargs)
+        finally:  # after the add: a reader on the asyncio side may over-count by one, never under
+            self._adds_done += 1

@@ -7,8 +7,10 @@ sglang-router can balance several kvsplice replicas), health, readiness and Prom
 
 Errors: every 4xx/5xx body is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Validation errors
 (malformed JSON, wrong types) are 400, not FastAPI's 422; ValueError from the engine is 400; an unknown model
-is 404; a full queue is 503 with Retry-After. A streamed request that fails before its first token is
-answered with the error status (the first output is awaited before the 200 is sent).
+is 404; a full queue is 503 with Retry-After; a request that fails inside the engine is 500 naming its id
+(an SSE error event once its stream has started); a stopped engine is 503. A streamed request that fails
+before its first token is answered with the error status (the first output is awaited before the 200 is
+sent).
 
 A client that disconnects aborts its request: for streams, the response task is cancelled, which closes
 `AsyncEngine.generate` (its `finally` aborts the request and frees its slots); for plain requests a
@@ -32,8 +34,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvsplice.engine.async_engine import AsyncEngine
-from kvsplice.engine.engine import QueueFullError
+from kvsplice.engine.async_engine import AsyncEngine, EngineDeadError
+from kvsplice.engine.engine import QueueFullError, RequestFailedError
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.server import protocol as p
@@ -206,8 +208,11 @@ async def _start(state: ServerState, tracker: _Tracker, prompt_ids: list[int], p
     except QueueFullError as exc:
         raise ApiError(503, str(exc), error_type="ServiceUnavailableError", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+    except RequestFailedError:
+        _finish(state, tracker, "error")
+        raise
     except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
+        raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
 
     async def rest() -> AsyncIterator[RequestOutput]:
         try:
@@ -218,6 +223,9 @@ async def _start(state: ServerState, tracker: _Tracker, prompt_ids: list[int], p
             async for out in gen:
                 tracker.outputs.append(out)
                 yield out
+        except RequestFailedError:
+            _finish(state, tracker, "error")
+            raise
         finally:
             await gen.aclose()
             _finish(state, tracker, None if tracker.last and tracker.last.finished else "abort")
@@ -472,6 +480,8 @@ async def _generate(state: ServerState, request: Request, body: p.GenerateReques
             try:
                 async for _ in outputs:
                     yield _sse(payload())
+            except RuntimeError as exc:  # the request failed, or the engine stopped
+                yield _sse(error_body(str(exc), "server_error"))
             finally:
                 await outputs.aclose()
             yield "data: [DONE]\n\n"
@@ -527,6 +537,14 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
         return answer(400, error_body(str(exc)))
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return answer(500, error_body(str(exc), "server_error", code="request_failed"))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return answer(503, error_body(str(exc), "ServiceUnavailableError", code="engine_stopped"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,18 +1,33 @@
 """Run the API under uvicorn: in the foreground (`kvsplice serve`) or in a background thread (tests,
-benchmarks), in one process with the engine."""
+benchmarks), in one process with the engine.
+
+If the engine thread stops (see kvsplice.engine.async_engine), `/health` fails at once and `serve`
+shuts uvicorn down and returns ENGINE_FAILED_EXIT (the process exits non-zero, so that systemd,
+Kubernetes or a router restarts it); should the shutdown hang, the process is ended after
+EXIT_DEADLINE_S. A ServerThread (tests) keeps its process: it only calls the hook it is given.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Optional
 
 import uvicorn
 
 from kvsplice.config import EngineConfig
+from kvsplice.engine.failpoints import Failpoints
 from kvsplice.server.api import ServerSettings, create_app
 from kvsplice.server.request_log import RequestLog, start_record
+
+logger = logging.getLogger(__name__)
+
+ENGINE_FAILED_EXIT = 1
+EXIT_DEADLINE_S = 15.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,23 +37,49 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Optional[RequestLog] = None):
+def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Optional[RequestLog] = None,
+              failpoints: Optional[Failpoints] = None):
     """Load the model, write the `kvsplice.start` line to `log`, and return the app. Raises what
-    `build_engine` raises (ValueError / OSError for a model it cannot load)."""
+    `build_engine` raises (ValueError / OSError for a model it cannot load). `failpoints`: a test
+    seam handed to the Engine."""
     from kvsplice.engine.llm import build_engine  # imports torch and the model code
 
-    engine = build_engine(engine_config)
+    engine = build_engine(engine_config, failpoints=failpoints)
     log = log or RequestLog()
     log.start(start_record(engine.name, settings.model_path, engine_config, engine.max_model_len,
                            settings.replica_name, settings.host, settings.port))
     return create_app(engine, settings, log)
 
 
-def serve(engine_config: EngineConfig, settings: ServerSettings, log_level: str = "warning") -> None:
-    """Load the model and serve on settings.host:settings.port until interrupted (blocks)."""
-    app = build_app(engine_config, settings)
-    uvicorn.run(app, host=settings.host or "127.0.0.1", port=settings.port or 8000, log_level=log_level,
-                timeout_graceful_shutdown=5)
+def serve(engine_config: EngineConfig, settings: ServerSettings, log_level: str = "warning") -> int:
+    """Load the model and serve on settings.host:settings.port until interrupted (blocks). Returns
+    the process's exit status: 0 after an interrupt, ENGINE_FAILED_EXIT when the engine stopped.
+    `KVSPLICE_FAILPOINTS` in the environment arms failpoints (tests of the process itself). Log
+    records (failed requests with their tracebacks, the engine stopping) go to stderr."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")   # no-op if configured
+    app = build_app(engine_config, settings, failpoints=Failpoints.from_env(os.environ))
+    config = uvicorn.Config(app, host=settings.host or "127.0.0.1", port=settings.port or 8000,
+                            log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    failed = threading.Event()
+    app.state.kvsplice.async_engine.on_fatal = exit_on_engine_failure(server, failed)
+    server.run()
+    return ENGINE_FAILED_EXIT if failed.is_set() else 0
+
+
+def exit_on_engine_failure(server: uvicorn.Server, failed: threading.Event) -> Callable[[BaseException], None]:
+    """The fatal hook of `serve`: log, set `failed`, ask uvicorn to shut down, and end the process
+    with ENGINE_FAILED_EXIT if it is still there EXIT_DEADLINE_S later."""
+
+    def on_fatal(exc: BaseException) -> None:
+        logger.critical("the engine stopped (%r); shutting the server down to be restarted", exc)
+        failed.set()
+        server.should_exit = True
+        deadline = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(ENGINE_FAILED_EXIT,))
+        deadline.daemon = True
+        deadline.start()
+
+    return on_fatal
 
 
 class ServerThread:
@@ -47,13 +88,18 @@ class ServerThread:
         server = ServerThread(app, port=free_port()); server.start()   # returns once it accepts requests
         ... server.url ...
         server.stop()
+
+    `on_engine_failure(exc)`: called if the engine thread stops (default: nothing; `/health` fails).
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: Optional[int] = None, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: Optional[int] = None, log_level: str = "warning",
+                 on_engine_failure: Optional[Callable[[BaseException], None]] = None):
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
+        if on_engine_failure is not None:
+            app.state.kvsplice.async_engine.on_fatal = on_engine_failure
         self.thread = threading.Thread(target=self.server.run, name="kvsplice-uvicorn", daemon=True)
 
     @property
