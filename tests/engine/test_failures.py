@@ -195,13 +195,18 @@ def hybrid_dir(tmp_path_factory):
     return str(path)
 
 
+HYBRID_PROMPTS = {"other-0": ids(30, 40), "other-1": ids(36, 41)}
+HYBRID_CULPRIT = ids(40, 42)
+
+
 def hybrid_run(hybrid_dir, failpoints=None):
+    """Two requests decode while a third joins their batch; outputs (tokens, logprobs) by rid."""
     engine = build_engine(EngineConfig(model=hybrid_dir, reuse=SCR.replace(enabled=False, checkpoint_every=16)),
                           failpoints=failpoints)
-    for rid, prompt in OTHERS.items():
+    for rid, prompt in HYBRID_PROMPTS.items():
         engine.add_request(prompt, GREEDY, rid=rid)
     outputs = {out.rid: [out] for out in engine.step()}
-    engine.add_request(TURN2, GREEDY, rid=CULPRIT)
+    engine.add_request(HYBRID_CULPRIT, GREEDY, rid=CULPRIT)
     for rid, outs in drain(engine).items():
         outputs.setdefault(rid, []).extend(outs)
     engine.check_integrity()
@@ -223,8 +228,8 @@ def test_hybrid_batch_failure_recomputes_the_innocent(hybrid_dir, hybrid_expecte
     failpoints.fail("sample", rid=CULPRIT, times=times, after=1)   # while the others decode
     engine, got, outputs = hybrid_run(hybrid_dir, failpoints)
     assert failpoints.fired["sample"] >= 1
-    assert engine.counters.preemptions >= len(OTHERS)   # their states were unknown: recomputed
-    for rid in OTHERS:
+    assert engine.counters.preemptions >= len(HYBRID_PROMPTS)   # their states were unknown: recomputed
+    for rid in HYBRID_PROMPTS:
         assert_same(got[rid], expected[rid])
     if times is None:
         assert outputs[CULPRIT][-1].finish_reason == "error" and engine.counters.requests_failed == 1
