@@ -1,6 +1,7 @@
 """The `kvsplice` command: serve | generate | pull | bench | report | workload | fidelity.
 
-    kvsplice serve [--model M | --model-path M] [--host H] [--port P] [engine flags] [SCR flags]
+    kvsplice serve [--model M | --model-path M] [--served-model-name NAME ...] [--host H] [--port P]
+                   [engine flags] [SCR flags]          (docs/SERVING.md lists every flag)
     kvsplice generate [--model M] --prompt TEXT [--max-tokens N] [--temperature T] [--seed S] [--chat]
     kvsplice pull                      fetch and convert the default model
     kvsplice bench | report | workload (see kvsplice/bench/commands.py)
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names to serve the model under: responses report the first, requests may use "
+                            "any (default: the model's name, e.g. SmolLM2-135M-Instruct)")
     serve.add_argument("--replica-name", default=None, help="name put in every request log line")
     serve.add_argument("--reasoning-parser", action="store_true",
                        help="move <think>...</think> blocks of replies into reasoning_content")
@@ -120,12 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from kvsplice.server.api import ServerSettings
     from kvsplice.server.launch import serve
+    from kvsplice.server.model_names import check_served_names
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     _check_model_arg(args.model)
     config = engine_config_from_args(args, os.environ)
-    settings = ServerSettings(model_path=args.model, replica_name=args.replica_name,
+    names = check_served_names(args.served_model_name) if args.served_model_name is not None else ()
+    settings = ServerSettings(model_path=args.model, served_model_names=names, replica_name=args.replica_name,
                               reasoning_parser=args.reasoning_parser, host=args.host, port=args.port)
     return serve(config, settings, log_level=args.log_level)
 

@@ -290,6 +290,7 @@ class Engine:
         if not admitted:
             return False
         if first_time:
+            req.admitted_s = time.perf_counter()
             self._count_admission(req)
         return True
 
@@ -346,10 +347,12 @@ class Engine:
         first = len(req.output_ids) == len(tokens) and bool(tokens)
         prompt_lps = tuple(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None
         ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
+        queue = None if req.admitted_s is None else req.admitted_s - req.arrival_s
         out = RequestOutput(req.rid, tokens, text, lps, finished, req.finish_reason,
                             len(req.prompt_ids), len(req.output_ids), req.reuse, prompt_lps, ttft,
                             dict(req.prompt_logits) if first and req.keep_last_logits else None,
-                            req.state_reuse, error=self._failed.pop(req.rid, None) if finished else None)
+                            req.state_reuse, queue_s=queue,
+                            error=self._failed.pop(req.rid, None) if finished else None)
         if finished:
             self._reqs.pop(req.rid, None)
             self._detoks.pop(req.rid, None)

@@ -84,6 +84,7 @@ class RequestOutput:
     prompt_logits: dict[int, torch.Tensor] | None = None   # offset -> fp32 logits, if kept
     state_reuse: StateReuse | None = None                  # hybrid models only
     error: str | None = None                               # why it failed (finish_reason "error")
+    queue_s: float | None = None                           # arrival -> first admission, once admitted
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Req:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     keep_last_logits: int = 0                      # keep raw logits of the last N prompt offsets
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    admitted_s: float | None = None                # perf_counter time of the first admission
     first_token_s: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0

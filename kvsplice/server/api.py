@@ -1,5 +1,6 @@
-"""The HTTP API: an OpenAI-compatible front (chat, completions, models), SGLang-compatible endpoints (so an
-sglang-router can balance several kvsplice replicas), health, readiness and Prometheus metrics.
+"""The HTTP API: an OpenAI-compatible front (chat, completions, models), vLLM's /tokenize, /detokenize and
+/version, SGLang-compatible endpoints (so an sglang-router can balance several kvsplice replicas), health,
+readiness and Prometheus metrics. docs/SERVING.md documents every route and field.
 
     HTTP body ─pydantic (protocol.py)─> prompt ids (chat.py | tokenizer) + SamplingParams
         ─> AsyncEngine.generate ─> RequestOutput deltas ─> JSON or SSE chunks
@@ -21,39 +22,46 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvsplice import __version__
 from kvsplice.engine.async_engine import AsyncEngine, EngineDeadError
 from kvsplice.engine.engine import QueueFullError, RequestFailedError
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.server import protocol as p
 from kvsplice.server.chat import ReasoningStream, chat_prompt_ids, split_reasoning
-from kvsplice.server.metrics import ServerMetrics, take_snapshot
+from kvsplice.server.metrics import RequestObservation, ServerMetrics, take_snapshot
+from kvsplice.server.model_names import served_names
 from kvsplice.server.replica import install_router_routes, request_session_id
 from kvsplice.server.request_log import RequestLog, request_record
+from kvsplice.server.tokenization import DetokenizeRequest, TokenizeRequest, check_token_ids, detokenize, tokenize
 
 RETRY_AFTER_S = 1
+FIELD_PREFIX = re.compile(r"^([a-z_][a-z0-9_.]*): ")
 DISCONNECT_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Server-level options. `model_path`: the path the model was loaded from, also accepted as the
-    request's `model`. `reasoning_parser`: move `<think>` blocks of replies into `reasoning_content`."""
+    """Server-level options. `model_path`: the --model the model was loaded from (None: the default
+    model). `served_model_names`: the names to serve under (the first is reported; empty: derived from
+    the model, see model_names.py). `reasoning_parser`: move `<think>` blocks of replies into
+    `reasoning_content`."""
 
     model_path: Optional[str] = None
+    served_model_names: tuple[str, ...] = ()
     replica_name: Optional[str] = None
     reasoning_parser: bool = False
     host: Optional[str] = None
@@ -86,8 +94,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
             parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
         where = ".".join(loc)
-        param = param or (where or None)
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        # a whole-body validator names its field as the message's "field: ..." prefix
+        named = FIELD_PREFIX.match(msg) if not where else None
+        param = param or (where or (named[1] if named else None))
         parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request", param
 
@@ -103,16 +113,14 @@ class ServerState:
         self.async_engine = AsyncEngine(engine)
         self.settings = settings
         self.log = log
-        self.metrics = ServerMetrics(settings.replica_name)
+        self.names = served_names(settings.served_model_names, settings.model_path, engine.name)
+        self.metrics = ServerMetrics(self.names.primary, settings.replica_name, engine.max_model_len)
         self.created = int(time.time())
 
     @property
-    def model_names(self) -> set[str]:
-        """Names a request's `model` may use: the served name, the path it was loaded from, its folder name."""
-        names = {self.engine.name}
-        if self.settings.model_path:
-            names |= {self.settings.model_path, Path(self.settings.model_path).name}
-        return names
+    def model_name(self) -> str:
+        """The name every response reports."""
+        return self.names.primary
 
     @property
     def context_limit(self) -> int:
@@ -121,8 +129,9 @@ class ServerState:
 
 
 def _check_model(state: ServerState, model: Optional[str]) -> None:
-    if model is not None and model not in state.model_names:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.engine.name!r}",
+    if model is not None and not state.names.accepts(model):
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(map(repr, state.names.reported))}",
                        param="model", code="model_not_found", error_type="NotFoundError")
 
 
@@ -173,11 +182,27 @@ class _Tracker:
     session_id: Optional[str]
     start_s: float = field(default_factory=time.perf_counter)
     outputs: list[RequestOutput] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)   # when each output with tokens arrived
     logged: bool = False
 
     @property
     def last(self) -> Optional[RequestOutput]:
         return self.outputs[-1] if self.outputs else None
+
+    def add(self, out: RequestOutput) -> None:
+        self.outputs.append(out)
+        if out.new_token_ids:
+            self.token_times_s.append(time.perf_counter())
+
+    def observation(self, finish_reason: Optional[str], e2e_s: float) -> RequestObservation:
+        """What metrics record of this request (see metrics.RequestObservation)."""
+        last = self.last
+        ttft = next((o.ttft_s for o in self.outputs if o.ttft_s is not None), None)
+        queue = next((o.queue_s for o in self.outputs if o.queue_s is not None), None)
+        return RequestObservation(
+            self.endpoint, finish_reason, e2e_s, ttft_s=ttft, queue_s=queue,
+            token_times_s=tuple(self.token_times_s), prompt_tokens=last.prompt_tokens if last else 0,
+            generation_tokens=last.completion_tokens if last else 0, fallback=last.reuse.fallback if last else None)
 
 
 def _finish(state: ServerState, tracker: _Tracker, finish_reason: Optional[str] = None) -> None:
@@ -189,10 +214,11 @@ def _finish(state: ServerState, tracker: _Tracker, finish_reason: Optional[str] 
     e2e = time.perf_counter() - tracker.start_s
     reason = finish_reason or (last.finish_reason if last else None)
     reuse = last.reuse.as_dict() if last else None
-    ttft = next((o.ttft_s for o in tracker.outputs if o.ttft_s is not None), None)
-    state.metrics.observe_request(tracker.endpoint, reason, ttft, e2e, reuse.get("fallback") if reuse else None)
+    observation = tracker.observation(reason, e2e)
+    state.metrics.observe_request(observation)
     state.log.request(request_record(
-        tracker.rid, last.prompt_tokens if last else 0, last.completion_tokens if last else 0, reuse, ttft, e2e,
+        tracker.rid, last.prompt_tokens if last else 0, last.completion_tokens if last else 0, reuse,
+        observation.ttft_s, e2e,
         reason, tracker.session_id, state.settings.replica_name, tracker.endpoint))
 
 
@@ -213,15 +239,15 @@ async def _start(state: ServerState, tracker: _Tracker, prompt_ids: list[int], p
         raise
     except ValueError as exc:
         raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
+    tracker.add(first)
 
     async def rest() -> AsyncIterator[RequestOutput]:
         try:
-            tracker.outputs.append(first)
             yield first
             if first.finished:
                 return
             async for out in gen:
-                tracker.outputs.append(out)
+                tracker.add(out)
                 yield out
         except RequestFailedError:
             _finish(state, tracker, "error")
@@ -325,7 +351,7 @@ async def _chat(state: ServerState, request: Request, body: p.ChatCompletionRequ
     session_id = request_session_id(body.session_id, request.headers)
     tracker = _Tracker(rid, "chat", session_id)
     outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
-    head = {"id": rid, "created": int(time.time()), "model": state.engine.name}
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     tokenizer = state.engine.tokenizer
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -394,7 +420,7 @@ async def _completion(state: ServerState, request: Request, body: p.CompletionRe
     session_id = request_session_id(body.session_id, request.headers)
     tracker = _Tracker(rid, "completions", session_id)
     outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
-    head = {"id": rid, "created": int(time.time()), "model": state.engine.name}
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_completion_stream(outputs, head, tokenizer, body.logprobs is not None,
@@ -499,7 +525,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
     return {
         "model_path": state.settings.model_path or engine.name,
         "tokenizer_path": state.settings.model_path or engine.name,
-        "served_model_name": engine.name,
+        "served_model_name": state.model_name,
         "is_generation": True,
         "context_length": engine.max_model_len,
         "max_total_num_tokens": cfg.num_slots,
@@ -515,9 +541,49 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "port": state.settings.port,
         "replica_name": state.settings.replica_name,
         "scr": {f: getattr(cfg.reuse, f) for f in cfg.reuse.__dataclass_fields__},
-        "version": "kvsplice",
+        "version": __version__,
         **state.settings.extra_info,
     }
+
+
+def _model_card(state: ServerState, name: str) -> p.ModelCard:
+    return p.ModelCard(id=name, created=state.created, root=state.settings.model_path or state.engine.name,
+                       max_model_len=state.context_limit)
+
+
+def _models_and_tokens_router(state: ServerState) -> APIRouter:
+    """GET /v1/models, /v1/models/{id}, POST /tokenize, /detokenize, GET /version. One router, so that a
+    dependency given to `include_router` (e.g. API-key authentication) covers all of them."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """One card per served name, the reported one first (as vLLM lists --served-model-name)."""
+        return p.ModelList(data=[_model_card(state, name) for name in state.names.reported]).model_dump()
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(state, model_id)
+        return _model_card(state, model_id).model_dump()
+
+    @router.post("/tokenize")
+    async def tokenize_text(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(state, body.model)
+        return tokenize(state.engine.tokenizer, body, state.context_limit)
+
+    @router.post("/detokenize")
+    async def detokenize_ids(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(state, body.model)
+        error = check_token_ids(body.tokens, state.engine.model_config.vocab_size)
+        if error:
+            raise ApiError(400, error, param="tokens")
+        return detokenize(state.engine.tokenizer, body.tokens)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    return router
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -582,12 +648,6 @@ def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[
     async def generate(body: p.GenerateRequest, request: Request) -> Response:
         return await _generate(state, request, body)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = p.ModelCard(id=engine.name, created=state.created, root=state.settings.model_path,
-                           max_model_len=engine.max_model_len)
-        return p.ModelList(data=[card]).model_dump()
-
     @app.get("/health")
     async def health() -> Response:
         """Liveness: 200 while the engine thread runs (the model is loaded before the app starts)."""
@@ -625,7 +685,7 @@ def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[
         return {"model_path": state.settings.model_path or engine.name,
                 "tokenizer_path": state.settings.model_path or engine.name,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-                "served_model_name": engine.name, "max_model_len": engine.max_model_len}
+                "served_model_name": state.model_name, "max_model_len": engine.max_model_len}
 
     @app.post("/flush_cache")
     @app.get("/flush_cache")
@@ -633,5 +693,6 @@ def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[
         await state.async_engine.call(engine.flush_cache)
         return JSONResponse({"status": "ok", "message": "cache flushed"})
 
+    app.include_router(_models_and_tokens_router(state))
     install_router_routes(app)
     return app

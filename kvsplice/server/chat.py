@@ -61,12 +61,17 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage],
-                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
-    """Token ids of the chat, rendered by the model's template with the assistant's turn opened.
+                    tools: Optional[list[dict[str, Any]]] = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """Token ids of the chat, rendered by the model's template (with the assistant's turn opened unless
+    `add_generation_prompt` is False). The template writes the special tokens it wants;
+    `add_special_tokens` adds the tokenizer's own (e.g. BOS) on top, as vLLM's /tokenize may.
 
     Raises ValueError when the model has no chat template or the template rejects the messages.
     """
-    return tokenizer.apply_chat_template(message_dicts(messages), tools=tools or None, add_generation_prompt=True)
+    text = tokenizer.render_chat(message_dicts(messages), tools=tools or None,
+                                 add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 @dataclass(frozen=True)

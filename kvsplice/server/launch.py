@@ -46,9 +46,10 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Option
 
     engine = build_engine(engine_config, failpoints=failpoints)
     log = log or RequestLog()
-    log.start(start_record(engine.name, settings.model_path, engine_config, engine.max_model_len,
+    app = create_app(engine, settings, log)
+    log.start(start_record(app.state.kvsplice.model_name, settings.model_path, engine_config, engine.max_model_len,
                            settings.replica_name, settings.host, settings.port))
-    return create_app(engine, settings, log)
+    return app
 
 
 def serve(engine_config: EngineConfig, settings: ServerSettings, log_level: str = "warning") -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.tiny_model import make_tiny_model_dir
 
@@ -40,12 +41,13 @@ class RunningServer:
         self.state = app.state.kvsplice
 
     def metric(self, name: str) -> float:
-        """The value of an unlabelled metric from GET /metrics."""
+        """The value of the one series of `name` from GET /metrics (whatever its labels, e.g. model_name)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
+        values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                  if sample.name == name]
+        if len(values) != 1:
+            raise KeyError(f"{name}: {len(values)} series")
+        return values[0]
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Unit tests of the request models, chat message shaping, reasoning split, log lines and metrics."""
+"""Unit tests of the request models, chat message shaping, reasoning split and log lines (metrics: test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pydantic import ValidationError
 
 from kvsplice.config import EngineConfig
 from kvsplice.server.chat import ReasoningStream, message_dicts, split_reasoning
-from kvsplice.server.metrics import EngineSnapshot, ServerMetrics
 from kvsplice.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kvsplice.server.request_log import RequestLog, flatten_reuse, request_record, session_hash, start_record
 
@@ -107,16 +106,3 @@ def test_request_log_lines_parse_back():
     assert start_obj["engine"]["num_slots"] == EngineConfig().num_slots
     assert json.loads(request.removeprefix("kvsplice.request "))["finish_reason"] == "length"
 
-
-def test_metrics_registries_are_per_instance():
-    first, second = ServerMetrics(), ServerMetrics()
-    first.observe_request("chat", "stop", 0.01, 0.02, "no_session")
-    snapshot = EngineSnapshot(counters={"prompt_tokens": 10, "prefix_tokens": 4, "relocated_tokens": 2},
-                              num_running=1, num_waiting=0, slots_total=100, slots_in_use=7, slots_free=90,
-                              slots_cached=3)
-    text = first.render(snapshot).decode()
-    assert 'kvsplice_requests_total{endpoint="chat",finish_reason="stop"} 1.0' in text
-    assert 'kvsplice_scr_fallbacks_total{reason="no_session"} 1.0' in text
-    assert "kvsplice_prefix_cache_hit_rate 0.4" in text and "kvsplice_cache_hit_rate 0.6" in text
-    assert "kvsplice_kv_slots_in_use 7.0" in text
-    assert "kvsplice_requests_total{" not in second.render(None).decode()

@@ -148,7 +148,7 @@ def test_metrics_count_relocations_and_no_slot_leaks_when_idle(scr_client, scr_s
     wait_until_idle(scr_server)
     assert scr_server.metric("kvsplice_relocated_tokens_total") == before + relocated > 0
     assert scr_server.metric("kvsplice_relocated_spans_total") > 0
-    total = scr_server.metric("kvsplice_kv_slots_total")
+    total = scr_server.metric("kvsplice_kv_slots_capacity")
     in_use = scr_server.metric("kvsplice_kv_slots_in_use")
     free, cached = scr_server.metric("kvsplice_kv_slots_free"), scr_server.metric("kvsplice_kv_slots_cached")
     # Idle: only SCR sessions hold slots (their private tails), and every slot is accounted for once.
