@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,pull,bench,report,workload,fidelity}")
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names to serve the model under: responses report the first, requests may use "
                             "any (default: the model's name, e.g. SmolLM2-135M-Instruct)")
