@@ -55,6 +55,7 @@ _ENGINE_COUNTERS = (
     ("forward_steps", "kvsplice_forward_steps", "model forward passes"),
     ("requests_finished", "kvsplice_engine_requests_finished", "requests finished by the engine"),
     ("requests_aborted", "kvsplice_engine_requests_aborted", "requests aborted in the engine"),
+    ("requests_failed", "kvsplice_engine_requests_failed", "requests that failed inside the engine (an unexpected error; the engine served on)"),
 )
 
 
