@@ -34,8 +34,10 @@ segment that follows relocated tokens their state is replaced according to `stat
                  an exact checkpoint on the session's locked radix path)
     none:        no load (the relocated tokens are simply skipped)
 
-A session keeps its previous sequence's states (checkpoints + final) privately; copies of the
-exact ones (lengths <= exact_len) go to the radix tree.
+The exact states of a finished sequence (lengths <= exact_len: message starts, every N tokens, the
+final state when nothing was relocated) become radix checkpoints, which the session finds on its
+locked path; only the approximate ones (after the first relocated token) are the session's own. A
+state a request will load is pinned until the request ends, so thinning never frees it under it.
 """
 
 from __future__ import annotations
@@ -236,6 +238,7 @@ class ReuseManager:
             # tree's copies of states from turns whose prefix was served from the cache)
             candidates = {**self.cache.radix.path_checkpoints(kv.exact_node), **kv.states}
             self._plan_state_loads(req, result.plan, candidates, scr.cfg.state_mode, match.length)
+            self.cache.pin_loads(req)
             self.cache.alloc_checkpoints(req)
         if update_stats:
             req.reuse = ReuseStats.from_plan_result(result, prompt_len=len(req.prompt_ids),
@@ -317,7 +320,10 @@ class ReuseManager:
         states = self.cache.take_states(req) if self.cache.states is not None else {}
         private = self.cache.release(req, cache=True, exact_len=exact_len)
         if states:
-            self.cache.checkpoint_exact_states(ids, req.namespace, states, exact_len, copy=True)
+            # exact states become radix checkpoints (the session finds them on its locked path);
+            # the approximate ones, after the first relocated token, stay the session's own
+            self.cache.checkpoint_exact_states(ids, req.namespace, states, exact_len)
+            states = {length: slot for length, slot in states.items() if length > exact_len}
         self._replace_session_kv(scr.session, ids, exact_len, private, states)
         self.forget(req)
 

@@ -36,12 +36,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvsplice import __version__
+from kvsplice.cache.checkpoint_policy import check_message_offsets
 from kvsplice.engine.async_engine import AsyncEngine, EngineDeadError
 from kvsplice.engine.engine import QueueFullError, RequestFailedError
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.server import protocol as p
-from kvsplice.server.chat import ReasoningStream, chat_prompt_ids, split_reasoning
+from kvsplice.server.chat import ReasoningStream, chat_message_offsets, chat_prompt_ids, split_reasoning
 from kvsplice.server.metrics import RequestObservation, ServerMetrics, take_snapshot
 from kvsplice.server.model_names import served_names
 from kvsplice.server.replica import install_router_routes, request_session_id
@@ -121,6 +122,13 @@ class ServerState:
     def model_name(self) -> str:
         """The name every response reports."""
         return self.names.primary
+
+    @property
+    def wants_message_offsets(self) -> bool:
+        """Whether chat requests should carry message offsets: a hybrid model whose checkpoint policy
+        saves states at message starts (other models have no use for them)."""
+        cache = self.engine.cache
+        return cache.states is not None and cache.policy.messages
 
     @property
     def context_limit(self) -> int:
@@ -305,6 +313,14 @@ def _extras(body, session_id: Optional[str]) -> dict[str, Any]:
     return {"cache_salt": body.cache_salt, "session_id": session_id, "scr": body.scr}
 
 
+def _message_offsets(offsets: Optional[list[int]], prompt_len: int) -> Optional[tuple[int, ...]]:
+    """A client's `message_offsets`, checked against the prompt (400 naming the field)."""
+    try:
+        return check_message_offsets(offsets, prompt_len) if offsets is not None else None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="message_offsets") from exc
+
+
 # ----- logprobs formats --------------------------------------------------------------------------------
 
 
@@ -350,7 +366,10 @@ async def _chat(state: ServerState, request: Request, body: p.ChatCompletionRequ
     # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
     session_id = request_session_id(body.session_id, request.headers)
     tracker = _Tracker(rid, "chat", session_id)
-    outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
+    offsets = chat_message_offsets(state.engine.tokenizer, body.messages, prompt_ids, body.tools) \
+        if state.wants_message_offsets else None
+    outputs = await _start(state, tracker, prompt_ids, params,
+                           {**_extras(body, session_id), "message_offsets": offsets})
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     tokenizer = state.engine.tokenizer
     if body.stream:
@@ -419,7 +438,9 @@ async def _completion(state: ServerState, request: Request, body: p.CompletionRe
     # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
     session_id = request_session_id(body.session_id, request.headers)
     tracker = _Tracker(rid, "completions", session_id)
-    outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
+    offsets = _message_offsets(body.message_offsets, len(prompt_ids))
+    outputs = await _start(state, tracker, prompt_ids, params,
+                           {**_extras(body, session_id), "message_offsets": offsets})
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -490,7 +511,9 @@ async def _generate(state: ServerState, request: Request, body: p.GenerateReques
     # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
     session_id = request_session_id(body.session_id, request.headers)
     tracker = _Tracker(rid, "generate", session_id)
-    outputs = await _start(state, tracker, prompt_ids, params, _extras(body, session_id))
+    offsets = _message_offsets(body.message_offsets, len(prompt_ids))
+    outputs = await _start(state, tracker, prompt_ids, params,
+                           {**_extras(body, session_id), "message_offsets": offsets})
 
     def payload() -> dict[str, Any]:
         last = tracker.last

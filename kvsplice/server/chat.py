@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from kvsplice.message_offsets import message_offsets
 from kvsplice.server.protocol import ChatMessage
 from kvsplice.tokenizer import Tokenizer
 
@@ -72,6 +73,13 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage],
     text = tokenizer.render_chat(message_dicts(messages), tools=tools or None,
                                  add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_message_offsets(tokenizer: Tokenizer, messages: list[ChatMessage], prompt_ids: list[int],
+                         tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    """Offsets into `prompt_ids` (this chat as `chat_prompt_ids` rendered it) where each message after
+    the first and the reply start, each verified against the tokens (`kvsplice.message_offsets`)."""
+    return message_offsets(tokenizer, message_dicts(messages), prompt_ids, tools or None)
 
 
 @dataclass(frozen=True)

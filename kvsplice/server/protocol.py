@@ -8,6 +8,9 @@ error (HTTP 400), not silently coerced.
 
 kvsplice extras on both OpenAI endpoints: `cache_salt` (cache namespace), `session_id` (names the
 conversation for SCR session matching), `scr` ("on", "off" or an object of per-request settings).
+`message_offsets` (completions and /generate): token offsets where the prompt's messages start, so a
+hybrid model saves its linear layers' state there; chat completions compute them from the template and
+refuse the field.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[StrictInt] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Any = None
+    message_offsets: Any = None   # refused: the server computes them from the messages
 
     @field_validator("messages")
     @classmethod
@@ -139,6 +143,9 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.message_offsets is not None:
+            raise ValueError("message_offsets: not accepted on chat completions (the server computes them "
+                             "from the messages)")
         return self
 
 
@@ -151,6 +158,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
+    message_offsets: Optional[list[StrictInt]] = None
 
     @model_validator(mode="after")
     def _completion_checks(self) -> "CompletionRequest":
@@ -202,6 +210,7 @@ class GenerateRequest(_Request):
     cache_salt: Optional[str] = None
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
+    message_offsets: Optional[list[StrictInt]] = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
