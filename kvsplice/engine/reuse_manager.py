@@ -234,8 +234,8 @@ class ReuseManager:
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
         scr.plan = result.plan
         if self.cache.states is not None:
-            # the session's own states, and the exact checkpoints on its locked radix path (the
-            # tree's copies of states from turns whose prefix was served from the cache)
+            # the session's own (approximate) states, and the exact checkpoints on its locked radix
+            # path (its previous sequence's exact states, and those of earlier turns still kept)
             candidates = {**self.cache.radix.path_checkpoints(kv.exact_node), **kv.states}
             self._plan_state_loads(req, result.plan, candidates, scr.cfg.state_mode, match.length)
             self.cache.pin_loads(req)

@@ -108,3 +108,15 @@ def test_checkpoint_bytes_of_real_hybrids(hf, linear_layers, mib, kv_kib_per_tok
     kv_bytes = config.num_kv_layers * 2 * config.num_kv_heads * config.head_dim * 2
     assert kv_bytes == kv_kib_per_token * 1024
     assert 64 * nbytes / 2**30 == pytest.approx(mib * 64 / 1024)   # the default cap of 64 checkpoints in GiB
+
+
+def test_cli_flags(capsys):
+    from kvsplice.cli import build_parser, main, reuse_config_from_args
+
+    args = build_parser().parse_args(["serve", "--scr-checkpoint-policy", "Messages+every:128",
+                                      "--scr-checkpoint-max-states", "9"])
+    config = reuse_config_from_args(args, {"KVREUSE_SSM_CHECKPOINT_POLICY": "every:4"})
+    assert config.checkpoints() == CheckpointPolicy(True, 128, 9)
+    for bad in (["--scr-checkpoint-policy", "sometimes"], ["--scr-checkpoint-max-states", "-2"]):
+        assert main(["serve", *bad]) == 2
+        assert "checkpoint" in capsys.readouterr().err
