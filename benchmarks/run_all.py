@@ -82,6 +82,16 @@ BENCHMARKS = (
               "The built-in edit cases on the trained hybrid: fork / checkpoint / none state modes and prefix "
               "caching alone (scr off, exact), with KL, top-1 and greedy agreement and the tokens computed per "
               "edited turn."),
+    Benchmark("hybrid_checkpoints", "Hybrid state checkpoints at message boundaries: prefill per edited turn",
+              "hybrid",
+              "python benchmarks/hybrid_checkpoints.py --out runs/hybrid_checkpoints.json",
+              "The workload generator's context-editing agent conversations, rendered through the chat template "
+              "with their message offsets, replayed on the trained hybrid (models/hybrid-mini) with each state "
+              "checkpoint policy (every:256, messages, messages+every:256) and on the dense default model, with "
+              "prefix caching and with SCR: prompt tokens prefilled per edited turn, the extra against the dense "
+              "model on the same turns, and the state slots each keeps. Token counts only. Goal: with message "
+              "checkpoints a hybrid's edited turn prefills no more than the dense model's, plus the checkpoint "
+              "granularity."),
 )
 
 

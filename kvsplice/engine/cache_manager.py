@@ -124,8 +124,9 @@ class CacheManager:
         """Best effort: a slot for the state at every length p the policy names for `req`
         (`CheckpointPolicy.lengths`: message starts, the prompt's end, multiples of `every`) whose
         last token (offset p - 1) this request computes, at most `policy.max_states` of them (may
-        drop the tree's least useful checkpoints to make room)."""
-        if self.states is None:
+        drop the tree's least useful checkpoints to make room). None without the prefix cache:
+        nothing would keep them."""
+        if self.states is None or not self.prefix_cache:
             return
         computed = set(req.pending)
         lengths = [p for p in self.policy.lengths(len(req.prompt_ids), req.message_offsets) if p - 1 in computed]

@@ -55,7 +55,7 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, parse_request_override
 from kvsplice.reuse.diff import diff_tokens
-from kvsplice.reuse.plan import PlanResult, SpanPlan, make_plan, prefill_breakdown
+from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -158,7 +158,7 @@ class ReuseManager:
         result = make_plan(old_ids, req.prompt_ids, runs, prefix_len=match.length,
                            old_kv_len=len(old_ids), cfg=scr.cfg)
         if result.plan is not None and self.cache.states is not None:
-            result = self._hybrid_plan(result, old_ids, req.prompt_ids, runs, scr.cfg.tail)
+            result = self._hybrid_plan(result, old_ids, req.prompt_ids, runs, scr.cfg, req.state_reuse.radix_match)
         if result.plan is not None:
             result.plan.validate(old_ids, req.prompt_ids, len(old_ids))
         return match, result
@@ -246,16 +246,27 @@ class ReuseManager:
         return True
 
     @staticmethod
-    def _hybrid_plan(result: PlanResult, old_ids, new_ids, runs, tail: int) -> PlanResult:
-        """On a hybrid the prefix hit stops at a state checkpoint, so a first keep that merely
-        continues it in place (delta 0 right at prefix_len) would leave the linear layers without
-        the exact state at its end: compute those tokens instead (exact, as a prefix hit would be).
+    def _hybrid_plan(result: PlanResult, old_ids, new_ids, runs, cfg: ReuseConfig, radix_match: int) -> PlanResult:
+        """On a hybrid the prefix hit stops at a state checkpoint, below the radix match. A first
+        keep that merely continues it in place (delta 0 right at prefix_len) would leave the linear
+        layers without the exact state of the cached tokens it covers: compute those, [prefix_len,
+        radix_match), instead (exact, as a prefix hit would be). Its part beyond the radix match
+        (K/V the session holds privately, approximate from an earlier relocation) stays relocated
+        in place when at least `min_span` long, as on a dense model; else it is computed too.
+
+            new prompt   [ prefix (checkpoint) ][ cached, no state ][ session's own K/V ][ tail ]
+            keep                               |<-------- delta 0 keep ---------------->|
+            becomes      computed ------------> |                  |<-- keep ---------->|
+
         No keep left: no plan ("no_spans")."""
         plan = result.plan
         keeps = plan.keeps
         if not (keeps and keeps[0].delta == 0 and keeps[0].dst_pos == plan.prefix_len):
             return result
-        keeps = keeps[1:]
+        first, start = keeps[0], max(radix_match, plan.prefix_len)
+        rest = Keep(start, start, first.dst_end - start)
+        keeps = ((rest,) if rest.length >= cfg.min_span else ()) + keeps[1:]
+        tail = cfg.tail
         breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=plan.prefix_len, keeps=keeps, tail=tail)
         if not keeps:
             return PlanResult(None, "no_spans", breakdown)

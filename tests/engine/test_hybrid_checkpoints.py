@@ -199,3 +199,29 @@ def test_llm_chat_passes_offsets_and_generate_checks_them(model_dir):
         llm.generate([ids, ids], message_offsets=offsets)
     with pytest.raises(ValueError, match="message_offsets"):
         llm.generate(ids, message_offsets=[5, 3])
+
+
+def test_scr_append_after_an_edit_relocates_the_sessions_own_kv(model_dir):
+    """After an SCR edit, the session's K/V beyond the radix match is approximate and only the
+    session has it. The next turn appends: a hybrid relocates that part in place as a dense model
+    does, computing only the cached-but-stateless tokens after its checkpoint, the span tail and the
+    appended text."""
+    rng = random.Random(8)
+    messages = conversation(rng, 7)
+    engine = engine_for(model_dir, reuse=SCR)
+    ids, offsets = render(engine, messages)
+    first = run(engine, ids, message_offsets=offsets, session_id="s")
+    turn2 = messages[:1] + messages[2:] + [{"role": "assistant", "content": engine.tokenizer.decode(first[0])}]
+    ids2, offsets2 = render(engine, turn2)
+    second = run(engine, ids2, message_offsets=offsets2, session_id="s")
+    assert second[2].reuse.relocated_tokens > 0
+    turn3 = turn2 + [{"role": "assistant", "content": engine.tokenizer.decode(second[0])},
+                     {"role": "user", "content": text(rng, 6)}]
+    ids3, offsets3 = render(engine, turn3)
+    third = run(engine, ids3, message_offsets=offsets3, session_id="s")
+    stats, state = third[2].reuse, third[2].state_reuse
+    appended = len(ids3) - (len(ids2) + len(second[0]) - 1)
+    assert stats.relocated_tokens > 0
+    # without relocating in place it would recompute everything after its checkpoint (~240 tokens);
+    # 8: the reply re-rendered from text may tokenize differently from the sampled tokens near its end
+    assert stats.prefilled_tokens <= (state.radix_match - state.checkpoint_depth) + SCR.tail + appended + 8
