@@ -32,6 +32,10 @@ node's K/V kept), by this rule (`eviction_key`):
      path's deepest checkpoint (the end of the last request: n is unbounded, appends land after it) goes
      last.
 
+The cap counts the SCR sessions' own states too (the approximate states of a session's previous
+sequence after its first relocated token, which only its next turn can load): they compete under the same
+rule, a session's states being as recent as its radix path.
+
 A checkpoint that a running request is about to load (an SCR splice) is pinned: its slot has a second
 reference and it is never dropped.
 """
@@ -163,3 +167,19 @@ def eviction_key(candidate: CheckpointCandidate) -> tuple:
 def least_useful(candidates: Sequence[CheckpointCandidate]) -> Optional[CheckpointCandidate]:
     """The candidate to drop first, or None when there is none."""
     return min(candidates, key=eviction_key, default=None)
+
+
+def sequence_candidates(lengths: Sequence[int], below: Sequence[int], last_access: float,
+                        owner: object) -> list[CheckpointCandidate]:
+    """Candidates for states saved along one sequence (an SCR session's own states) at `lengths`,
+    above exact checkpoints of the same sequence at depths `below` (its radix path); each handle is
+    (owner, length). The deepest length is the sequence's end: it has no next."""
+    ordered = sorted(lengths)
+    floors = sorted(below)
+    out = []
+    for i, length in enumerate(ordered):
+        lower = [d for d in floors if d < length] + ordered[:i]
+        out.append(CheckpointCandidate(length, max(lower, default=0),
+                                       ordered[i + 1] if i + 1 < len(ordered) else None,
+                                       last_access, (owner, length)))
+    return out

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvsplice.cache.checkpoint_policy import least_useful, sequence_candidates
 from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
@@ -324,6 +325,7 @@ class ReuseManager:
         if scr is None or scr.session is None or not cache:
             self.cache.allocator.free(self.cache.release(req, cache=cache))
             self.forget(req)
+            self._cap_states()
             return
         kv_len = self.cache.computed_len(req)
         ids = req.seq_ids[:kv_len]
@@ -337,6 +339,38 @@ class ReuseManager:
             states = {length: slot for length, slot in states.items() if length > exact_len}
         self._replace_session_kv(scr.session, ids, exact_len, private, states)
         self.forget(req)
+        self._cap_states()
+
+    def _cap_states(self) -> None:
+        """Hybrids: drop the least useful of the radix tree's checkpoints and the sessions' own
+        states until together they fit the checkpoint policy's cap (`checkpoint_policy`; pinned
+        states never go)."""
+        cache = self.cache
+        if cache.states is None:
+            return
+        while cache.radix.num_checkpoints() + self.private_state_slots() > cache.policy.max_states:
+            victim = least_useful(cache.radix.checkpoint_candidates() + self._session_state_candidates())
+            if victim is None:
+                return
+            if isinstance(victim.handle, tuple):
+                kv, length = victim.handle
+                cache.states.free([kv.states.pop(length)])
+            else:
+                cache.radix.drop_checkpoint(victim.handle)
+
+    def _session_state_candidates(self) -> list:
+        """Every session's own states as eviction candidates (handles (SessionKV, length)); a
+        session's recency is that of its locked radix path, its exact checkpoints are the floor."""
+        refcount = self.cache.states.allocator.refcount
+        out = []
+        for session in self.sessions.sessions():
+            kv = session.payload
+            if kv is None or not kv.states:
+                continue
+            below = list(self.cache.radix.path_checkpoints(kv.exact_node))
+            out += [c for c in sequence_candidates(list(kv.states), below, kv.exact_node.last_access, kv)
+                    if int(refcount[kv.states[c.depth]]) == 1]
+        return out
 
     def _replace_session_kv(self, session: Session, ids: list[int], exact_len: int,
                             private: torch.Tensor, states: dict[int, int] | None = None) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvsplice.cache.checkpoint_policy import (MAX_MESSAGE_OFFSETS, CheckpointCandidate, CheckpointPolicy,
-                                              check_message_offsets, least_useful)
+                                              check_message_offsets, least_useful, sequence_candidates)
 from kvsplice.cache.state_pool import StatePool, state_slot_bytes
 from kvsplice.models.config import LinearAttnConfig, ModelConfig
 from kvsplice.reuse.config import ReuseConfig
@@ -75,6 +75,13 @@ def test_eviction_rule():
     assert least_useful(path).handle == 20
     assert least_useful([path[3], cand(50, 0, None)]).handle == 50      # deepest ones: smaller gap first
     assert least_useful([]) is None
+
+
+def test_sequence_candidates_sit_above_the_exact_path():
+    got = sequence_candidates([50, 30, 70], below=[10, 25, 60], last_access=4.0, owner="s")
+    assert [(c.depth, c.prev_depth, c.next_depth, c.handle) for c in got] == [
+        (30, 25, 50, ("s", 30)), (50, 30, 70, ("s", 50)), (70, 60, None, ("s", 70))]
+    assert all(c.last_access == 4.0 for c in got)
 
 
 def test_slot_bytes_match_the_pool():

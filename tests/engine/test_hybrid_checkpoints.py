@@ -130,7 +130,7 @@ def edit(rng: random.Random, messages: list[dict]) -> list[dict]:
     return messages + [{"role": rng.choice(["user", "tool"]), "content": text(rng, rng.randint(4, 12))}]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_property_checkpoints_hold_exact_states_of_their_path(model_dir, seed):
     """Random conversations, random edits, prefix caching and SCR (state modes drawn at random),
     random policies and a small cap: after every turn, every checkpoint is exact for its path."""
@@ -148,7 +148,8 @@ def test_property_checkpoints_hold_exact_states_of_their_path(model_dir, seed):
             tokens, _, _ = run(engine, ids, max_tokens=rng.randint(1, 4), message_offsets=offsets,
                                session_id=f"c{conv}", scr=scr)
             seen = max(seen, assert_checkpoints_exact(engine, verified))
-            assert engine.cache.radix.num_checkpoints() <= reuse.checkpoint_max_states
+            kept = engine.cache.radix.num_checkpoints() + engine.reuse.private_state_slots()
+            assert kept <= reuse.checkpoint_max_states      # the tree's and the sessions' own together
             messages = edit(rng, messages + [{"role": "assistant", "content": engine.tokenizer.decode(tokens)}])
     assert seen >= 3
 
