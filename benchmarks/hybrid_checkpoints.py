@@ -18,6 +18,13 @@ turn (and per unedited turn), the extra against the dense model on the same turn
 hybrid pays for want of a state (radix match - the checkpoint it resumed from), and the state slots kept
 (radix checkpoints + SCR sessions' own states) with their bytes on this model and on a Qwen3.5-27B-sized
 one. Prints a markdown table; writes every turn's figures to --out.
+
+Then the cost of the message offsets themselves, on the last turn of each conversation and of one long
+(12K-16K-token) conversation: the chat
+endpoint's path (`message_offsets`: one tokenization with character offsets plus one template render
+per message) and the brute-force reference (tokenize every prefix rendering), each as a ratio to
+rendering and tokenizing the prompt once (the work every chat request does anyway), median of
+--repeats runs in this process.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import json
 import platform
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +44,7 @@ from kvsplice.bench.workload import generate_traces
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.engine.llm import build_engine
-from kvsplice.message_offsets import message_offsets
+from kvsplice.message_offsets import message_offsets, message_offsets_reference
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
@@ -82,13 +90,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-slots", type=int, default=16_384, help="KV pool size (tokens)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (counts do not depend on it; one is fastest on a busy machine)")
+    parser.add_argument("--repeats", type=int, default=5, help="timing repeats of the offsets cost")
     parser.add_argument("--out", default="runs/hybrid_checkpoints.json")
     return parser
 
 
 def engine_like(base: Engine, reuse: ReuseConfig, num_slots: int) -> Engine:
-    """A fresh Engine (empty caches) around `base`'s loaded model."""
-    config = EngineConfig(num_slots=num_slots, reuse=reuse, max_batch_tokens=2048)
+    """A fresh Engine (empty caches) around `base`'s loaded model; its StatePool holds the cap's
+    checkpoints plus room for the running request (so the cap, not the pool, binds)."""
+    config = EngineConfig(num_slots=num_slots, reuse=reuse, max_batch_tokens=2048,
+                          num_state_slots=reuse.checkpoint_max_states + 64)
     return Engine(base.runner.model, base.model_config, base.tokenizer, config, name=base.name)
 
 
@@ -170,6 +181,33 @@ def table(results: list[SettingResult]) -> str:
     return "\n".join(lines)
 
 
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def offsets_cost(tokenizer, conversations: list[Conversation], repeats: int) -> str:
+    """Markdown: per conversation's last turn, the prompt's own render + tokenize time and the two
+    offset computations as ratios to it (they must agree)."""
+    lines = ["| messages | prompt tokens | render + tokenize ms | offsets (fast) | ratio | reference | ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for conversation in conversations:
+        messages = [dict(m) for m in conversation.turns[-1].messages]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if message_offsets(tokenizer, messages, ids) != message_offsets_reference(tokenizer, messages, ids):
+            raise SystemExit("the fast and the reference message offsets disagree")
+        base = _median_s(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True), repeats)
+        fast = _median_s(lambda: message_offsets(tokenizer, messages, ids), repeats)
+        ref = _median_s(lambda: message_offsets_reference(tokenizer, messages, ids), repeats)
+        lines.append(f"| {len(messages)} | {len(ids)} | {1e3 * base:.1f} | {1e3 * fast:.1f} ms | {fast / base:.1f}x | "
+                     f"{1e3 * ref:.1f} ms | {ref / base:.1f}x |")
+    return "\n".join(lines)
+
+
 def cpu_line() -> str:
     """The CPU's model name and the matmul-relevant flags it has (from /proc/cpuinfo when present)."""
     name, flags = platform.processor() or platform.machine(), set()
@@ -200,6 +238,11 @@ def main(argv=None) -> int:
           f"{sum(t.prompt_tokens for t in results[0].turns)} prompt tokens in all; "
           f"checkpoint cap {args.max_states} states; {cpu_line()}\n")
     print(table(results))
+    # plus one long conversation (12K-16K tokens, 30-40 turns) to show how the cost grows
+    long_one = generate_traces(1, args.seed + 1, min_tokens=12_000, max_tokens=16_000, min_turns=30, max_turns=40)
+    print("\nCost of the message offsets (last turn of each conversation, then a long one):\n")
+    print(offsets_cost(build_engine(EngineConfig(model=args.hybrid, num_slots=64)).tokenizer,
+                       conversations + long_one, args.repeats))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([{**{k: v for k, v in vars(r).items() if k != "turns"},
