@@ -33,6 +33,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,11 +139,11 @@ def run_settings(args, conversations) -> list[SettingResult]:
     dense = build_engine(EngineConfig(model=args.dense, num_slots=1024))
     for mode in ("prefix", "scr"):
         reuse = ReuseConfig(enabled=mode == "scr")
-        print(f"dense {dense.name} {mode} ...", flush=True)
+        print(f"dense {dense.name} {mode} ...", file=sys.stderr, flush=True)
         results.append(SettingResult("dense", mode, "-", replay(engine_like(dense, reuse, args.num_slots),
                                                                  conversations, mode, args.gen)))
         for policy in POLICIES:
-            print(f"hybrid {mode} {policy} ...", flush=True)
+            print(f"hybrid {mode} {policy} ...", file=sys.stderr, flush=True)
             engine = engine_like(hybrid, reuse.replace(checkpoint_policy=policy,
                                                        checkpoint_max_states=args.max_states), args.num_slots)
             result = SettingResult("hybrid", mode, policy, replay(engine, conversations, mode, args.gen),
