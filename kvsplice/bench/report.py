@@ -8,7 +8,7 @@ Inputs (`load_run` tells them apart):
 Compute types per request (the identity the report checks on every row):
 
     prompt_tokens = prefix (radix cache) + relocated (SCR, re-rotated K/V) + prefilled (forwarded)
-    prefilled     = changed + span_tails + unchosen_spans + uncached_unchanged   (kvsplice only)
+    prefilled     = changed + span_tails + unchosen_spans + uncached_unchanged + recomputed   (kvsplice only)
 
 A server without kvsplice's `reuse` field (vLLM, SGLang, OpenAI) is counted as prefix = cached_tokens,
 relocated = 0, prefilled = the rest, and its breakdown is reported as unknown.
@@ -32,7 +32,9 @@ from matplotlib.figure import Figure
 
 from kvsplice.bench.trace import UNEDITED_KINDS
 
-BREAKDOWN_FIELDS = ("changed", "span_tails", "unchosen_spans", "uncached_unchanged")
+BREAKDOWN_FIELDS = ("changed", "span_tails", "unchosen_spans", "uncached_unchanged", "recomputed")
+# fields a run written before they existed may lack (read as 0)
+OPTIONAL_BREAKDOWN_FIELDS = ("recomputed",)
 FLOPS_RELATIVE_TOLERANCE = 1e-3
 REPLAY_EDITED_RULE = "edit kind not in ('first', 'append')"
 LOG_EDITED_RULE = "session == 'matched' and (relocated_spans > 0 or prefix < previous prompt of the session)"
@@ -49,6 +51,7 @@ class Breakdown(NamedTuple):
     span_tails: int
     unchosen_spans: int
     uncached_unchanged: int
+    recomputed: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ def _count(obj: dict[str, Any], key: str, where: str) -> int:
 def _reuse_fields(reuse: dict[str, Any], where: str) -> dict[str, Any]:
     """prefix/relocated/prefilled, breakdown and FLOPs from kvsplice's reuse counters."""
     breakdown = None
-    if all(reuse.get(name) is not None for name in BREAKDOWN_FIELDS):
+    if all(reuse.get(name) is not None for name in BREAKDOWN_FIELDS if name not in OPTIONAL_BREAKDOWN_FIELDS):
+        reuse = {name: 0 for name in OPTIONAL_BREAKDOWN_FIELDS} | reuse
         breakdown = Breakdown(*(_count(reuse, name, where) for name in BREAKDOWN_FIELDS))
     return {
         "prefix": _count(reuse, "prefix_tokens", where),

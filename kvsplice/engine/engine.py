@@ -186,13 +186,25 @@ class Engine:
         outputs = [self._output(r, (), "", ()) for r in self._aborted]
         self._aborted.clear()
         chunks = self.scheduler.schedule()   # a request whose admission raises is failed there
-        for chunk, result in self._run(chunks):
+        self._score([c for c in chunks if c.depth is not None])
+        for chunk, result in self._run([c for c in chunks if c.depth is None]):
             if (out := self._postprocess_or_fail(chunk, result)) is not None:
                 outputs.append(out)
         outputs += [self._output(req, (), "", ()) for req in self._take_failed()]
         if not self.scheduler.has_work():
             self.check_integrity()
         return outputs
+
+    def _score(self, chunks: list[Chunk]) -> None:
+        """SCR scoring passes (kvsplice.reuse.recompute), one forward through the first layers per
+        chunk, their K/V handed to the ReuseManager. One that raises fails its request only: it
+        wrote only that request's own slots (relocated and pending offsets)."""
+        for chunk in chunks:
+            try:
+                self.reuse.scored(chunk.req, chunk.offsets, *self.runner.layer_kv(chunk))
+            except Exception as exc:  # noqa: BLE001 -- fails this request only
+                self._fail(chunk.req, exc, "scoring")
+            self.counters.forward_steps += 1
 
     def _run(self, chunks: list[Chunk]) -> list[tuple[Chunk, ChunkResult]]:
         """The step's forward and sampling, (chunk, result) for the chunks that succeeded.

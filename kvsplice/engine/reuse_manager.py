@@ -23,6 +23,13 @@ traceback), since planning takes no slot and prefix caching serves the prompt ex
 exception once slots are taken (allocation, relocation) propagates: the engine fails the request
 and frees what it holds.
 
+Selective recompute (attention-only models, `ReuseConfig.seam_tokens` / `recompute` > 0; see
+kvsplice.reuse.recompute): after relocation the first tokens of every span and a share of the
+relocated tokens are added to the offsets to compute, chosen at admission, or (the share) by a
+scoring pass the request runs first
+(`Req.scoring`; the engine hands each scoring chunk's K/V to `scored`, and the last one amends the
+plan). Their number is fixed at admission, so the counters are final from there on.
+
 Hybrid models: full-attention layers relocate as above; linear layers cannot (their state is not
 per token), so they compute the same offsets in order, segment by segment, and before each
 segment that follows relocated tokens their state is replaced according to `state_mode`:
@@ -52,11 +59,14 @@ from kvsplice.cache.checkpoint_policy import least_useful, sequence_candidates
 from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
+from kvsplice.layers.attention import store_kv
 from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
-from kvsplice.reuse.config import ReuseConfig, parse_request_override
+from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
 from kvsplice.reuse.diff import diff_tokens
 from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, scoring_pass,
+                                      seam_offsets)
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -87,6 +97,8 @@ class ScrRequest:
     plan: SpanPlan | None = None
     fallback: str | None = None
     diff_stats: dict = field(default_factory=dict)
+    scoring: ScoringPass | None = None   # the selective-recompute scoring pass of this admission
+    count_stats: bool = False            # this admission sets req.reuse
 
 
 class ReuseManager:
@@ -109,6 +121,10 @@ class ReuseManager:
         field, by a "kvreuse:off" salt, or because the prefix cache is off). Raises ValueError
         for a malformed `scr` field."""
         cfg = parse_request_override(scr, cache_salt, self.config)
+        asked = [key for key in ("recompute", "seam_tokens") if isinstance(scr, dict) and scr.get(key, 0)]
+        if asked and self.cache.states is not None:
+            raise SettingError(f"scr.{asked[0]}: selective recompute needs a model whose every layer is "
+                               "attention, and this one is a hybrid", f"scr.{asked[0]}")
         if not cfg.enabled or not self.cache.prefix_cache:
             return None
         return ScrRequest(cfg)
@@ -118,6 +134,7 @@ class ReuseManager:
         """Give `req` its slots (SCR plan + relocation when possible, else prefix caching);
         with `update_stats`, record where its prompt came from. False: no slots now (the request
         keeps waiting; nothing changed except session bookkeeping)."""
+        req.scoring = None   # a preempted request plans (and scores) again
         admitted = self._admit(req, update_stats)
         if admitted and update_stats:
             req.reuse = self._with_flops(req)
@@ -181,7 +198,10 @@ class ReuseManager:
         if start is not None:
             ranges.append((start, pending[-1] + 1))
         spent = self.flops.prefill_flops(prompt_len, ranges)
-        saved = self.flops.saved_flops(prompt_len, 0, ranges)
+        scoring = req.scr.scoring if req.scr is not None else None
+        if scoring is not None:
+            spent += self.flops.scoring_flops(scoring.all_rows, scoring.depth)
+        saved = self.flops.prefill_flops(prompt_len, [(0, prompt_len)]) - spent
         return dataclasses.replace(req.reuse, prefill_flops=spent, saved_flops=saved)
 
     def _attach_session(self, req: Req, scr: ScrRequest) -> None:
@@ -233,7 +253,8 @@ class ReuseManager:
         self.cache.install(req, match, fresh)
         self._relocate(req, result.plan, kv.slots(), scr.cfg)
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
-        scr.plan = result.plan
+        scr.plan, scr.scoring, scr.count_stats = result.plan, None, update_stats
+        recomputed = self._plan_recompute(req, scr)
         if self.cache.states is not None:
             # the session's own (approximate) states, and the exact checkpoints on its locked radix
             # path (its previous sequence's exact states, and those of earlier turns still kept)
@@ -244,7 +265,57 @@ class ReuseManager:
         if update_stats:
             req.reuse = ReuseStats.from_plan_result(result, prompt_len=len(req.prompt_ids),
                                                     prefix_len=match.length, session="matched")
+            if recomputed:
+                scored = len(scr.scoring.all_rows) if scr.scoring is not None else 0
+                req.reuse = req.reuse.with_recompute(recomputed, scored)
         return True
+
+    # ----- selective recompute ----------------------------------------------------------
+    def _plan_recompute(self, req: Req, scr: ScrRequest) -> int:
+        """Selective recompute for `req`'s fresh plan: the seams' first tokens now, then the
+        policy's share (chosen now, or by a scoring pass the request runs first: `req.scoring`).
+        Returns how many tokens it recomputes (0 on hybrids)."""
+        cfg = scr.cfg
+        if self.cache.states is not None:
+            return 0
+        count = recompute_count(scr.plan, cfg.recompute)   # a share of all relocated tokens
+        seams = seam_offsets(scr.plan, cfg.seam_tokens)
+        if seams:
+            self._apply_recompute(req, scr, seams)
+        count = min(count, scr.plan.relocated_tokens)
+        depth = min(cfg.score_layers, self.model_config.num_layers - 1)
+        policy = POLICIES[cfg.recompute_policy]
+        if count == 0 or (policy.choose is None and depth < 1):
+            return len(seams)
+        if policy.choose is not None:
+            self._apply_recompute(req, scr, policy.choose(scr.plan, count))
+        else:
+            scr.scoring = scoring_pass(scr.plan, req.pending, count, depth, self.model_config.num_layers,
+                                       policy.candidates(scr.plan))
+            req.scoring = scr.scoring
+        return len(seams) + count
+
+    def scored(self, req: Req, offsets: list[int], new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """A scoring chunk of `req` ran over `offsets`; `new_k`/`new_v` are the K/V its checked layer
+        would store. Scores its rows against the relocated K/V, then stores the new ones (exact at
+        that layer, like the layers below it, which the chunk already wrote). After the last chunk
+        the chosen tokens join `req.pending`."""
+        scoring, pool = req.scoring, self.cache.pool
+        slots = req.seq_slots[torch.tensor(offsets, dtype=torch.int64)]
+        old_k, old_v = pool.k_layer(scoring.depth)[slots], pool.v_layer(scoring.depth)[slots]
+        scoring.record(offsets, kv_deviation(new_k, new_v, old_k, old_v))
+        store_kv(new_k, new_v, scoring.depth, slots, pool)
+        if scoring.done:
+            req.scoring = None
+            self._apply_recompute(req, req.scr, scoring.selection())
+            if req.scr.count_stats:
+                req.reuse = self._with_flops(req)   # the chosen offsets' FLOPs, now known
+
+    @staticmethod
+    def _apply_recompute(req: Req, scr: ScrRequest, offsets: list[int]) -> None:
+        """Recompute `offsets` (relocated offsets of the plan): amend the plan and the pending offsets."""
+        scr.plan = scr.plan.with_recomputed(offsets)
+        req.pending = sorted(set(req.pending) | set(offsets))
 
     @staticmethod
     def _hybrid_plan(result: PlanResult, old_ids, new_ids, runs, cfg: ReuseConfig, radix_match: int) -> PlanResult:

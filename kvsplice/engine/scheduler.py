@@ -9,7 +9,9 @@ Each step it picks, in this order, until the budget (`max_batch_tokens`) is spen
   3. waiting requests, first come first served, as long as their slots can be had.
 
 A request's work in a step is a list of offsets to compute (not necessarily contiguous: under
-SCR the relocated spans sit between them).
+SCR the relocated spans sit between them). A request whose SCR plan asked for a scoring pass
+(`Req.scoring`, kvsplice.reuse.recompute) first gets scoring chunks: rows run through the first
+`depth` layers only, charged to the budget at that share of a full token.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ from kvsplice.engine.request import Req, ReqStatus
 @dataclass(frozen=True)
 class Chunk:
     """Offsets of one request to compute in this step; `samples` when the last of them is the
-    sequence's last token (so the step yields the request's next token)."""
+    sequence's last token (so the step yields the request's next token). `depth`: a scoring chunk,
+    run through that many layers only (never samples)."""
 
     req: Req
     offsets: list[int]
+    depth: int | None = None
 
     @property
     def samples(self) -> bool:
-        return self.offsets[-1] == self.req.seq_len - 1
+        return self.depth is None and self.offsets[-1] == self.req.seq_len - 1
 
 
 class Scheduler:
@@ -75,8 +79,7 @@ class Scheduler:
         for req in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
-            chunks.append(Chunk(req, req.pending[:budget]))
-            budget -= len(chunks[-1].offsets)
+            budget -= self._add_prefill_chunk(req, budget, chunks)
         while budget > 0 and self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             if not self.admit_fn(req):
@@ -84,9 +87,19 @@ class Scheduler:
             self.waiting.popleft()
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-            chunks.append(Chunk(req, req.pending[:budget]))
-            budget -= len(chunks[-1].offsets)
+            budget -= self._add_prefill_chunk(req, budget, chunks)
         return chunks
+
+    @staticmethod
+    def _add_prefill_chunk(req: Req, budget: int, chunks: list[Chunk]) -> int:
+        """Append `req`'s next prefill chunk within `budget` (its scoring pass first, if it has
+        one); return what it costs in full-depth tokens."""
+        scoring = req.scoring
+        if scoring is None:
+            chunks.append(Chunk(req, req.pending[:budget]))
+            return len(chunks[-1].offsets)
+        chunks.append(Chunk(req, scoring.next_rows(budget), depth=scoring.depth))
+        return scoring.cost(len(chunks[-1].offsets))
 
     def _grow_or_preempt(self, req: Req, chunks: list[Chunk]) -> bool:
         """Give `req` its decode slot, preempting the newest other requests not yet scheduled

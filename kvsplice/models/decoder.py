@@ -79,17 +79,27 @@ class SelfAttention(nn.Module):
             gate = gate.reshape(num_tokens, self.num_heads * self.head_dim)
         else:
             q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        k, v = self.project_kv(x, cos, sin)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
         store_kv(k, v, self.layer_id, batch.out_slots, pool)
         attended = paged_attention(q, self.layer_id, batch, pool, self.scale, self.sliding_window)
         attended = attended.reshape(num_tokens, self.num_heads * self.head_dim)
         if gate is not None:
             attended = attended * torch.sigmoid(gate)
         return self.o_proj(attended)
+
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K (normed where the config says, then rotated) and V `[T, kv_heads, head_dim]` this
+        layer stores for `x [T, hidden]` (already input-normed). Pure: writes nothing."""
+        num_tokens = x.shape[0]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
 
 
 class DecoderLayer(nn.Module):
@@ -197,3 +207,22 @@ class Decoder(nn.Module):
             hidden = layer(hidden, cos, sin, batch, pool, states)
         hidden = self.model.norm(hidden[batch.logit_rows])
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def layer_kv(self, batch: ForwardBatch, pool: KVPool, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward limited to the first `num_layers` layers (SCR's selective-recompute scoring
+        pass): returns the K (after RoPE) and V `[T, kv_heads, head_dim]` that layer `num_layers`
+        would store for every row of `batch`, without storing them. `batch.logit_rows` is ignored.
+
+        Side effect: layers [0, num_layers) write their K/V at batch.out_slots, as `forward` does.
+        Attention-only models, 1 <= num_layers < num_layers of the model; else ValueError."""
+        if self.cfg.is_hybrid:
+            raise ValueError("layer_kv needs a model whose every layer is attention")
+        if not 1 <= num_layers < self.cfg.num_layers:
+            raise ValueError(f"layer_kv: num_layers must lie in [1, {self.cfg.num_layers - 1}], got {num_layers}")
+        hidden = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        for layer in self.model.layers[:num_layers]:
+            hidden = layer(hidden, cos, sin, batch, pool)
+        checked = self.model.layers[num_layers]
+        return checked.self_attn.project_kv(checked.input_layernorm(hidden), cos, sin)

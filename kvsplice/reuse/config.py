@@ -17,6 +17,8 @@ from kvsplice.cache.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 
 StateMode = Literal["fork", "checkpoint", "none"]
 STATE_MODES: tuple[str, ...] = ("fork", "checkpoint", "none")
+# how selective recompute picks its tokens (kvsplice.reuse.recompute.POLICIES says what each does)
+RECOMPUTE_POLICIES: tuple[str, ...] = ("heads", "deviation")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,14 @@ class ReuseConfig:
     # both joined by "+"; see kvsplice.cache.checkpoint_policy) and how many the radix tree keeps
     checkpoint_policy: str = DEFAULT_POLICY
     checkpoint_max_states: int = 64
+    # selective recompute (kvsplice.reuse.recompute): tokens computed again in every layer after
+    # relocation: the first `seam_tokens` of every relocated span, and a `recompute` share of the
+    # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
+    # through the first `score_layers` layers)
+    seam_tokens: int = 0
+    recompute: float = 0.0
+    recompute_policy: str = "heads"
+    score_layers: int = 1
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
@@ -94,6 +104,27 @@ class ReuseConfig:
         return "scr " + " ".join(parts)
 
 
+class RecomputeSetting(NamedTuple):
+    """Type and inclusive range of one selective-recompute setting (`choices` for strings)."""
+
+    kind: type
+    lower: float = 0
+    upper: float = 0
+    choices: tuple[str, ...] = ()
+
+
+# Kept apart from the other settings: their own ranges, upper bounds included. `seam_tokens` at
+# most 4,096 (the error sits in the first few dozen tokens after a seam); `recompute` is a share of
+# the relocated tokens; `score_layers` at most 8 (CacheBlend checks at layer 1; a deeper
+# check costs more and a full recompute at that depth is cheaper than scoring).
+RECOMPUTE_SETTINGS: dict[str, RecomputeSetting] = {
+    "seam_tokens": RecomputeSetting(int, 0, 4096),
+    "recompute": RecomputeSetting(float, 0.0, 1.0),
+    "recompute_policy": RecomputeSetting(str, choices=RECOMPUTE_POLICIES),
+    "score_layers": RecomputeSetting(int, 1, 8),
+}
+
+
 FIELD_TYPES: dict[str, type] = {
     "enabled": bool,
     "max_spans": int,
@@ -113,6 +144,7 @@ FIELD_TYPES: dict[str, type] = {
     "state_mode": str,
     "checkpoint_policy": str,
     "checkpoint_max_states": int,
+    **{name: spec.kind for name, spec in RECOMPUTE_SETTINGS.items()},
 }
 
 # Every setting's range, inclusive. Lower bounds: tail >= 1 keeps the prompt's last token computed.
@@ -152,6 +184,9 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
     range (see _INT_RANGE; fractions in [0, 1]). Booleans are not accepted as numbers, and numbers are
     not accepted as booleans. `label`: how the message names the setting (default: `name`)."""
     label = label or name
+    if name in RECOMPUTE_SETTINGS:
+        _check_recompute_field(name, value, label)
+        return
     kind = FIELD_TYPES.get(name)
     if kind is None:
         raise SettingError(f"unknown SCR setting: {label}", label)
@@ -178,6 +213,21 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
         raise SettingError(f"{label} must lie in [{lower}, {upper}], got {value!r}", label)
     if name == "cdc_target" and value & (value - 1):
         raise SettingError(f"{label} must be a power of 2 (it is used as a bit mask), got {value!r}", label)
+
+
+def _check_recompute_field(name: str, value: Any, label: str) -> None:
+    """check_field for the selective-recompute settings: type, then range or choices."""
+    spec = RECOMPUTE_SETTINGS[name]
+    if spec.kind is str:
+        if value not in spec.choices:
+            raise SettingError(f"{label} must be one of {', '.join(spec.choices)}, got {value!r}", label)
+        return
+    numeric = (int, float) if spec.kind is float else int
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        raise SettingError(f"{label} must be {'a number' if spec.kind is float else 'an integer'}, got {value!r}",
+                           label)
+    if not spec.lower <= value <= spec.upper:  # NaN fails too
+        raise SettingError(f"{label} must lie in [{spec.lower}, {spec.upper}], got {value!r}", label)
 
 
 def parse_str(raw: str) -> str:
@@ -259,11 +309,21 @@ ENV_TABLE: tuple[EnvVar, ...] = (
            "every:N (every N prompt tokens) or both, e.g. messages+every:256 (request ends always)"),
     EnvVar("KVREUSE_SSM_CHECKPOINT_MAX_STATES", "checkpoint_max_states", parse_int, "--scr-checkpoint-max-states",
            "hybrid models: most state checkpoints the prefix cache keeps (state slots; least useful dropped first)"),
+    # selective recompute: no overlay counterpart
+    EnvVar("KVREUSE_SEAM_TOKENS", "seam_tokens", parse_int, "--scr-seam-tokens",
+           "tokens recomputed at the start of every relocated span, right after its seam (attention-only models)"),
+    EnvVar("KVREUSE_RECOMPUTE", "recompute", parse_float, "--scr-recompute",
+           "share of relocated tokens recomputed in every layer, chosen by recompute_policy (0: none; "
+           "attention-only models)"),
+    EnvVar("KVREUSE_RECOMPUTE_POLICY", "recompute_policy", parse_str, "--scr-recompute-policy",
+           "which relocated tokens are recomputed: " + ", ".join(RECOMPUTE_POLICIES)),
+    EnvVar("KVREUSE_SCORE_LAYERS", "score_layers", parse_int, "--scr-score-layers",
+           "layers the scoring pass recomputes before comparing K/V (deviation policies)"),
 )
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode"})
+                            "state_mode", *RECOMPUTE_SETTINGS})
 
 SALT_OFF = "kvreuse:off"
 

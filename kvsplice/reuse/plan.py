@@ -9,6 +9,9 @@
 A is served exactly by the radix cache (prefix_len tokens). Each chosen span relocates all but its
 last `tail` tokens; those, the edits and the unchosen spans are computed. Everything from the first
 relocated token on is approximate K/V (it saw a different context); everything before is exact.
+Selective recompute (`kvsplice.reuse.recompute`) may then mark some relocated offsets `recomputed`:
+they stay inside their keep (its K/V were copied) but are computed again in every layer, so they
+count as prefilled, not relocated.
 Selection follows the SCR overlay (reference notes §5): candidates are the equal runs after A whose
 relocatable length reaches `min_span`, the K longest are taken (ties: the later run), and executed
 in new-prompt order. Unlike the overlay, an edit at token 0 still gets a plan.
@@ -17,6 +20,7 @@ in new-prompt order. Unlike the overlay, an edit at token 0 still gets a plan.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +30,17 @@ from kvsplice.reuse.diff import EqualRun, common_prefix_len
 
 class PlanError(ValueError):
     """A SpanPlan violates one of its invariants."""
+
+
+def runs_of(offsets: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Increasing, unique `offsets` as ranges [start, end) of consecutive offsets."""
+    runs: list[tuple[int, int]] = []
+    for offset in offsets:
+        if runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + 1)
+        else:
+            runs.append((offset, offset + 1))
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -57,23 +72,25 @@ class Keep:
 class SpanPlan:
     """How one prompt of prompt_len tokens is served: [0, prefix_len) from the radix cache, the
     keeps relocated from the session, computed_ranges recomputed. `tail` is the minimum number of
-    computed tokens after every keep."""
+    computed tokens after every keep. `recomputed`: new offsets inside keeps that are computed
+    again after relocation (selective recompute), increasing."""
 
     prompt_len: int
     prefix_len: int
     keeps: tuple[Keep, ...]
     tail: int
+    recomputed: tuple[int, ...] = ()
 
     @property
     def relocated_tokens(self) -> int:
-        """Tokens whose K/V are relocated from the session."""
-        return sum(keep.length for keep in self.keeps)
+        """Tokens whose relocated K/V are used as they are (keeps minus the recomputed offsets)."""
+        return sum(keep.length for keep in self.keeps) - len(self.recomputed)
 
     @property
     def computed_ranges(self) -> tuple[tuple[int, int], ...]:
         """New-offset ranges [start, end) to compute: [prefix_len, prompt_len) minus the keeps,
-        non-empty, increasing."""
-        ranges = []
+        plus the recomputed offsets; non-empty, disjoint, increasing (adjacent ranges merged)."""
+        ranges = list(runs_of(self.recomputed))
         start = self.prefix_len
         for keep in self.keeps:
             if keep.dst_pos > start:
@@ -81,7 +98,17 @@ class SpanPlan:
             start = max(start, keep.dst_end)
         if self.prompt_len > start:
             ranges.append((start, self.prompt_len))
-        return tuple(ranges)
+        merged: list[tuple[int, int]] = []
+        for low, high in sorted(ranges):
+            if merged and merged[-1][1] == low:
+                merged[-1] = (merged[-1][0], high)
+            else:
+                merged.append((low, high))
+        return tuple(merged)
+
+    def with_recomputed(self, offsets) -> SpanPlan:
+        """This plan with `offsets` (relocated offsets, any order) recomputed as well."""
+        return dataclasses.replace(self, recomputed=tuple(sorted(set(self.recomputed) | set(offsets))))
 
     @property
     def prefilled_tokens(self) -> int:
@@ -90,16 +117,23 @@ class SpanPlan:
 
     @property
     def exact_len(self) -> int:
-        """Offset of the first relocated token, or prompt_len if none: K/V before it are exact,
-        from it on approximate (only the exact part may enter the shared radix cache)."""
-        return self.keeps[0].dst_pos if self.keeps else self.prompt_len
+        """Offset of the first relocated token that is not recomputed, or prompt_len if none: K/V
+        before it are exact (everything there attends only to exact K/V), from it on approximate
+        (only the exact part may enter the shared radix cache)."""
+        recomputed = set(self.recomputed)
+        for keep in self.keeps:
+            for offset in range(keep.dst_pos, keep.dst_end):
+                if offset not in recomputed:
+                    return offset
+        return self.prompt_len
 
     def validate(self, old_ids: Sequence[int], new_ids: Sequence[int], old_kv_len: int) -> None:
         """Raise PlanError unless: prompt_len == len(new_ids); 0 <= prefix_len <= prompt_len;
         tail >= 1; keeps non-empty, disjoint and increasing in old and new and all at/after
         prefix_len; every relocated token identical in old and new; every src range within
         old_kv_len <= len(old_ids); at least `tail` computed tokens after every keep (so the
-        prompt's last token is computed); prefix + relocated + prefilled == prompt_len."""
+        prompt's last token is computed); recomputed offsets increasing, unique, each inside a
+        keep; prefix + relocated + prefilled == prompt_len."""
         if self.prompt_len != len(new_ids):
             raise PlanError(f"prompt_len {self.prompt_len} != len(new_ids) {len(new_ids)}")
         if not 0 <= self.prefix_len <= self.prompt_len:
@@ -114,6 +148,7 @@ class SpanPlan:
             if keep.dst_end + self.tail > self.prompt_len:
                 raise PlanError(f"{keep} is followed by fewer than {self.tail} prompt tokens")
             src_floor, dst_floor = keep.src_end, keep.dst_end + self.tail
+        _validate_recomputed(self.recomputed, self.keeps)
         computed = sum(end - start for start, end in self.computed_ranges)
         if self.prefix_len + self.relocated_tokens + computed != self.prompt_len:
             raise PlanError("prefix + relocated + prefilled != prompt_len")
@@ -135,23 +170,35 @@ def _validate_keep(keep: Keep, src_floor: int, dst_floor: int, old_kv_len: int,
         raise PlanError(f"{keep} relocates tokens that differ between old and new")
 
 
+def _validate_recomputed(recomputed: Sequence[int], keeps: Sequence[Keep]) -> None:
+    """Raise PlanError unless `recomputed` is strictly increasing and every offset lies in a keep."""
+    if any(b <= a for a, b in zip(recomputed, recomputed[1:])):
+        raise PlanError("recomputed offsets must be strictly increasing")
+    starts = [keep.dst_pos for keep in keeps]
+    for offset in recomputed:
+        position = bisect.bisect_right(starts, offset) - 1
+        if position < 0 or offset >= keeps[position].dst_end:
+            raise PlanError(f"recomputed offset {offset} lies in no keep")
+
+
 @dataclass(frozen=True)
 class PrefillBreakdown:
     """Why each prefilled token was computed: `changed` (new tokens in no equal run: B' and D),
     `span_tails` (the tails of relocated spans), `unchosen_spans` (equal-run tokens after A that
     were not relocated: not among the K longest, too short, or beyond the old K/V),
     `uncached_unchanged` (the common prefix of old and new beyond prefix_len, which the radix cache
-    did not serve)."""
+    did not serve), `recomputed` (relocated tokens computed again by selective recompute)."""
 
     changed: int = 0
     span_tails: int = 0
     unchosen_spans: int = 0
     uncached_unchanged: int = 0
+    recomputed: int = 0
 
     @property
     def total(self) -> int:
-        """The sum of the four categories (== the plan's prefilled tokens)."""
-        return self.changed + self.span_tails + self.unchosen_spans + self.uncached_unchanged
+        """The sum of the five categories (== the plan's prefilled tokens)."""
+        return self.changed + self.span_tails + self.unchosen_spans + self.uncached_unchanged + self.recomputed
 
 
 @dataclass(frozen=True)
@@ -221,21 +268,24 @@ def prefill_breakdown(
     prefix_len: int,
     keeps: Sequence[Keep],
     tail: int,
+    recomputed: Sequence[int] = (),
 ) -> PrefillBreakdown:
-    """Classify every computed new offset in [prefix_len, len(new_ids)) minus the keeps, first
-    match wins: the `tail` tokens after a keep -> span_tails; inside the common prefix of old and
-    new -> uncached_unchanged; inside an equal run -> unchosen_spans; else changed. Pass keeps=()
-    for the breakdown of plain prefill (e.g. after a relocation fell back)."""
+    """Classify every computed new offset in [prefix_len, len(new_ids)) minus the keeps plus the
+    `recomputed` offsets, first match wins: a recomputed offset -> recomputed; the `tail` tokens
+    after a keep -> span_tails; inside the common prefix of old and new -> uncached_unchanged;
+    inside an equal run -> unchosen_spans; else changed. Pass keeps=() for the breakdown of plain
+    prefill (e.g. after a relocation fell back)."""
     prompt_len = len(new_ids)
     common = common_prefix_len(old_ids, new_ids)
-    plan = SpanPlan(prompt_len, prefix_len, tuple(keeps), tail)
+    plan = SpanPlan(prompt_len, prefix_len, tuple(keeps), tail, tuple(recomputed))
     families = (
+        ("recomputed", list(runs_of(plan.recomputed))),
         ("span_tails", [(keep.dst_end, min(keep.dst_end + tail, prompt_len)) for keep in keeps]),
         ("uncached_unchanged", [(0, common)]),
         ("unchosen_spans", [(run.new_offset, run.new_end) for run in runs]),
     )
     cuts = sorted({edge for _, ranges in families for pair in ranges for edge in pair})
-    counts = {"changed": 0, "span_tails": 0, "unchosen_spans": 0, "uncached_unchanged": 0}
+    counts = {"changed": 0, "span_tails": 0, "unchosen_spans": 0, "uncached_unchanged": 0, "recomputed": 0}
     for start, end in plan.computed_ranges:
         inner = cuts[bisect.bisect_right(cuts, start) : bisect.bisect_left(cuts, end)]
         for low, high in zip([start, *inner], [*inner, end]):

@@ -1,5 +1,7 @@
 """make_plan / SpanPlan: selection, invariants (validate), breakdown and the accounting identity."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,7 +10,7 @@ from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.reuse.diff import EqualRun, diff_tokens
 from kvsplice.reuse.diff import common_prefix_len
-from kvsplice.reuse.plan import Keep, PlanError, SpanPlan, make_plan
+from kvsplice.reuse.plan import Keep, PlanError, SpanPlan, make_plan, prefill_breakdown
 
 
 def seq(start, count):
@@ -146,16 +148,16 @@ def planning_case(draw):
     return old, new, cfg, prefix_len, old_kv_len, fast
 
 
-def brute_breakdown(old, new, runs, plan_keeps, prefix_len, tail):
-    relocated = {keep.dst_pos + k for keep in plan_keeps for k in range(keep.length)}
+def brute_breakdown(old, new, runs, plan_keeps, prefix_len, tail, recomputed=()):
+    relocated = {keep.dst_pos + k for keep in plan_keeps for k in range(keep.length)} - set(recomputed)
     tails = {keep.dst_end + k for keep in plan_keeps for k in range(tail)}
     in_runs = {run.new_offset + k for run in runs for k in range(run.length)}
     common = common_prefix_len(old, new)
-    counts = {"changed": 0, "span_tails": 0, "unchosen_spans": 0, "uncached_unchanged": 0}
+    counts = {"changed": 0, "span_tails": 0, "unchosen_spans": 0, "uncached_unchanged": 0, "recomputed": 0}
     for offset in range(prefix_len, len(new)):
         if offset in relocated:
             continue
-        name = ("span_tails" if offset in tails else "uncached_unchanged" if offset < common
+        name = ("recomputed" if offset in recomputed else "span_tails" if offset in tails else "uncached_unchanged" if offset < common
                 else "unchosen_spans" if offset in in_runs else "changed")
         counts[name] += 1
     return counts
@@ -178,6 +180,38 @@ def test_every_plan_validates_and_accounts(case):
     stats = ReuseStats.from_plan_result(result, prompt_len=len(new), prefix_len=prefix_len, session="matched")
     stats.check(len(new))
     assert breakdown.total == stats.prefilled_tokens
+    if result.plan is not None:
+        _check_recomputed_plan(old, new, runs, result.plan, old_kv_len)
+
+
+def _check_recomputed_plan(old, new, runs, plan, old_kv_len):
+    """Every third relocated offset recomputed: still valid, the breakdown counts them, and the
+    computed ranges are the complement of what stays relocated."""
+    relocated = [o for keep in plan.keeps for o in range(keep.dst_pos, keep.dst_end)]
+    amended = plan.with_recomputed(relocated[::3])
+    amended.validate(old, new, old_kv_len)
+    breakdown = prefill_breakdown(old, new, runs, prefix_len=plan.prefix_len, keeps=plan.keeps, tail=plan.tail,
+                                  recomputed=amended.recomputed)
+    assert breakdown.__dict__ == brute_breakdown(old, new, runs, plan.keeps, plan.prefix_len, plan.tail,
+                                                 amended.recomputed)
+    computed = {o for start, end in amended.computed_ranges for o in range(start, end)}
+    assert computed == set(range(plan.prefix_len, len(new))) - (set(relocated) - set(amended.recomputed))
+    assert amended.relocated_tokens == plan.relocated_tokens - len(amended.recomputed)
+    assert breakdown.total == amended.prefilled_tokens
+    first_kept = min(set(relocated) - set(amended.recomputed), default=len(new))
+    assert amended.exact_len == first_kept
+
+
+def test_recomputed_offsets_must_lie_in_keeps_and_increase():
+    plan = SpanPlan(100, 10, (Keep(20, 20, 30), Keep(60, 60, 20)), tail=4)
+    ids = list(range(100))
+    plan.with_recomputed([49, 20, 60]).validate(ids, ids, 100)
+    for bad in ((25, 25), (30, 25), (55,), (80,)):
+        with pytest.raises(PlanError, match="recomputed"):
+            dataclasses.replace(plan, recomputed=bad).validate(ids, ids, 100)
+    assert plan.with_recomputed([20, 21]).exact_len == 22
+    assert plan.with_recomputed(range(20, 50)).exact_len == 60
+    assert plan.with_recomputed(range(20, 50)).relocated_tokens == 20
 
 
 @settings(max_examples=100, deadline=None)

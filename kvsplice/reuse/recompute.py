@@ -1,0 +1,150 @@
+"""Selective recompute: after relocation, compute again the relocated tokens whose K/V are furthest
+from what a full recompute would give.
+
+A relocated token's K/V were computed while the old context was visible; in the new prompt its
+context lost or gained text, and the deviation grows with depth (CacheBlend, Yao et al., EuroSys
+2025, §4: tokens with a high K/V deviation at an early layer keep it in later layers). A share of
+the relocated tokens (`ReuseConfig.recompute`) is computed again in every layer, in the request's
+main forward, next to B', the span tails and D. Which ones is the policy's choice:
+
+    new prompt       [ A ][ B' ][ C1 relocated ............ ][tail][ C2 relocated ...... ][tail][ D ]
+    scoring pass           B'   C1 ......................          C2 ...............          (rows)
+      layers 0..d-1 in full over the rows (their K/V written: exact there), layer d's K and V
+      projected and compared with the relocated ones: the deviation of every relocated row
+    selection                   ^^    ^     ^                       ^^^ ^                   (top share)
+    main forward           B'   ^^    ^     ^                 tail  ^^^ ^              tail  D
+
+Layer 0's K/V of a token depend on the token and its position only, so they are exact once
+re-rotated; rows of B' (and of earlier tails) are in the scoring pass because the relocated rows
+after them attend to them. Policies (`POLICIES`):
+
+    deviation   score every relocated token by its layer-d K/V deviation, recompute the top share
+    ...
+
+The scoring pass is a phase of the request (`Req.scoring`): the scheduler gives it scoring chunks
+(rows run through `score_layers` layers only, `Decoder.layer_kv`), the engine hands their K/V to
+`ScoringPass.record`, and when every row is scored the plan is amended (`SpanPlan.with_recomputed`)
+before the main forward. Policies that need no scoring pass choose at admission.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kvsplice.reuse.plan import SpanPlan
+
+
+def recompute_count(plan: SpanPlan, share: float) -> int:
+    """How many relocated tokens a `share` of the plan's relocated tokens is (rounded half up)."""
+    return min(plan.relocated_tokens, math.floor(share * plan.relocated_tokens + 0.5))
+
+
+def relocated_offsets(plan: SpanPlan) -> list[int]:
+    """Every relocated (not yet recomputed) new offset of `plan`, increasing."""
+    recomputed = set(plan.recomputed)
+    return [o for keep in plan.keeps for o in range(keep.dst_pos, keep.dst_end) if o not in recomputed]
+
+
+# ----- the scoring pass ---------------------------------------------------------------------
+@dataclass
+class ScoringPass:
+    """A request's scoring phase: `rows` (offsets, increasing) still to run through the first
+    `depth` of `num_layers` layers; `candidates` the relocated offsets among all rows to score;
+    `count` of them to recompute; `scores` {offset: deviation} recorded so far; `all_rows` every
+    row of the pass (for its FLOPs)."""
+
+    depth: int
+    num_layers: int
+    rows: list[int]
+    candidates: frozenset[int]
+    count: int
+    all_rows: tuple[int, ...] = ()
+    scores: dict[int, float] = field(default_factory=dict)
+
+    def next_rows(self, budget: int) -> list[int]:
+        """The next chunk's rows: as many as cost about `budget` full-depth tokens, at least one."""
+        return self.rows[: max(1, budget * self.num_layers // self.depth)]
+
+    def cost(self, rows: int) -> int:
+        """Full-depth token equivalents of `rows` scoring rows (rounded up), for the step budget."""
+        return -(-rows * self.depth // self.num_layers)
+
+    def record(self, offsets: Sequence[int], deviations: torch.Tensor) -> None:
+        """`offsets` (the next rows, in order) ran; `deviations [len(offsets)]` holds each one's
+        deviation (read only for candidates). Raises ValueError if they are not the next rows."""
+        if list(offsets) != self.rows[: len(offsets)]:
+            raise ValueError("scoring rows recorded out of order")
+        del self.rows[: len(offsets)]
+        values = deviations.tolist()
+        for offset, value in zip(offsets, values):
+            if offset in self.candidates:
+                self.scores[offset] = value
+
+    @property
+    def done(self) -> bool:
+        return not self.rows
+
+    def selection(self) -> list[int]:
+        """The `count` candidates with the highest deviation (ties: the earlier offset), increasing."""
+        top = heapq.nlargest(self.count, self.scores.items(), key=lambda item: (item[1], -item[0]))
+        return sorted(offset for offset, _ in top)
+
+
+def scoring_pass(plan: SpanPlan, pending: Sequence[int], count: int, depth: int, num_layers: int,
+                 candidates: Sequence[int]) -> ScoringPass:
+    """The scoring pass for `candidates` (relocated offsets of `plan`): its rows are the candidates
+    and every offset of `pending` (the plan's computed offsets) before the last candidate."""
+    last = max(candidates)
+    rows = sorted(set(candidates) | {o for o in pending if o < last})
+    return ScoringPass(depth, num_layers, rows, frozenset(candidates), count, tuple(rows))
+
+
+def kv_deviation(new_k: torch.Tensor, new_v: torch.Tensor, old_k: torch.Tensor,
+                 old_v: torch.Tensor) -> torch.Tensor:
+    """Per row, `[n]`: the squared distance of the new K and V `[n, heads, dim]` from the old ones,
+    each relative to the old row's squared norm (K and V live on different scales; a row's score
+    does not depend on the other rows of its chunk), in fp32. Keys must be rotated to the same
+    positions on both sides."""
+    def relative(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        new, old = new.float().flatten(1), old.float().flatten(1)
+        return (new - old).pow(2).sum(1) / old.pow(2).sum(1).clamp_min(1e-12)
+    return relative(new_k, old_k) + relative(new_v, old_v)
+
+
+# ----- policies -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Policy:
+    """How a policy picks: `candidates(plan)` to score in a scoring pass (deviation policies), or
+    `choose(plan, count)` at admission (policies without one). Exactly one is set."""
+
+    candidates: Callable[[SpanPlan], list[int]] | None = None
+    choose: Callable[[SpanPlan, int], list[int]] | None = None
+
+
+def _heads(plan: SpanPlan, count: int) -> list[int]:
+    """The first tokens of every relocated span, `count` shared out evenly (earlier spans first)."""
+    spans = [[o for o in range(k.dst_pos, k.dst_end) if o not in set(plan.recomputed)] for k in plan.keeps]
+    chosen: list[int] = []
+    depth = 0
+    while len(chosen) < count and any(depth < len(span) for span in spans):
+        for span in spans:
+            if depth < len(span) and len(chosen) < count:
+                chosen.append(span[depth])
+        depth += 1
+    return sorted(chosen)
+
+
+def seam_offsets(plan: SpanPlan, tokens: int) -> list[int]:
+    """The first `tokens` offsets of every relocated span (all of a shorter one), increasing."""
+    return [o for keep in plan.keeps for o in range(keep.dst_pos, min(keep.dst_end, keep.dst_pos + tokens))]
+
+
+POLICIES: dict[str, Policy] = {
+    "heads": Policy(choose=_heads),
+    "deviation": Policy(candidates=relocated_offsets),
+}

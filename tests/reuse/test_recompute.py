@@ -1,0 +1,70 @@
+"""Selective recompute's pure parts: counts, the scoring pass's bookkeeping, the deviation, policies."""
+
+import pytest
+import torch
+
+from kvsplice.reuse.plan import Keep, SpanPlan
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, relocated_offsets,
+                                      scoring_pass, seam_offsets)
+
+PLAN = SpanPlan(200, 10, (Keep(30, 20, 40), Keep(100, 80, 60)), tail=8)
+
+
+def pending_of(plan):
+    return [o for start, end in plan.computed_ranges for o in range(start, end)]
+
+
+def test_recompute_count_rounds_half_up_and_stays_within_the_relocated_tokens():
+    assert PLAN.relocated_tokens == 100
+    assert [recompute_count(PLAN, share) for share in (0.0, 0.004, 0.005, 0.1, 1.0)] == [0, 0, 1, 10, 100]
+
+
+def test_scoring_pass_rows_are_the_candidates_and_the_computed_tokens_before_the_last():
+    candidates = relocated_offsets(PLAN)
+    scoring = scoring_pass(PLAN, pending_of(PLAN), count=5, depth=1, num_layers=30, candidates=candidates)
+    # B' (10..19), span 1, its tail and the gap (60..79), span 2; not D after the last candidate
+    assert scoring.rows == list(range(10, 140))
+    assert scoring.all_rows == tuple(range(10, 140)) and not scoring.done
+    only_second = scoring_pass(PLAN, pending_of(PLAN), 5, 1, 30, candidates=list(range(80, 90)))
+    assert only_second.rows == list(range(10, 20)) + list(range(60, 90))
+
+
+def test_scoring_chunks_cost_their_share_of_the_layers_and_record_in_order():
+    scoring = ScoringPass(depth=2, num_layers=30, rows=list(range(100)), candidates=frozenset(range(50, 100)),
+                          count=3)
+    assert scoring.next_rows(3) == list(range(45))     # 3 full tokens' worth = 45 rows at 2 of 30 layers
+    assert scoring.cost(45) == 3 and scoring.cost(1) == 1
+    with pytest.raises(ValueError, match="order"):
+        scoring.record([1, 2], torch.zeros(2))
+    scoring.record(list(range(60)), torch.arange(60, dtype=torch.float32))
+    scoring.record(list(range(60, 100)), torch.zeros(40))
+    assert scoring.done and set(scoring.scores) == set(range(50, 100))   # only candidates are scored
+    assert scoring.selection() == [57, 58, 59]
+
+
+def test_selection_breaks_ties_towards_the_earlier_offset():
+    scoring = ScoringPass(1, 4, [], frozenset({3, 5, 9}), count=2, scores={3: 1.0, 5: 1.0, 9: 1.0})
+    assert scoring.selection() == [3, 5]
+
+
+def test_kv_deviation_is_relative_per_row():
+    old_k = torch.ones(3, 2, 4)
+    old_v = 2 * torch.ones(3, 2, 4)
+    new_k, new_v = old_k.clone(), old_v.clone()
+    new_k[1] *= 2          # relative squared distance of K: 1
+    new_v[2] *= 1.5        # of V: 0.25
+    torch.testing.assert_close(kv_deviation(new_k, new_v, old_k, old_v), torch.tensor([0.0, 1.0, 0.25]))
+    # a row's score does not depend on the other rows
+    torch.testing.assert_close(kv_deviation(new_k[1:2], new_v[1:2], old_k[1:2], old_v[1:2]), torch.tensor([1.0]))
+
+
+def test_heads_share_the_count_out_over_the_spans_and_seams_take_a_fixed_head():
+    heads = POLICIES["heads"].choose(PLAN, 5)
+    assert heads == [20, 21, 22, 80, 81]
+    assert POLICIES["heads"].choose(PLAN, 0) == []
+    assert seam_offsets(PLAN, 3) == [20, 21, 22, 80, 81, 82]
+    assert seam_offsets(PLAN, 50) == list(range(20, 60)) + list(range(80, 130))
+    assert seam_offsets(PLAN, 0) == []
+    partly = PLAN.with_recomputed([20])
+    assert POLICIES["heads"].choose(partly, 2) == [21, 80]
+    assert relocated_offsets(partly)[:2] == [21, 22]
