@@ -11,6 +11,12 @@ The assistant message whose content is REPLY_PLACEHOLDER stands for turn 1's gen
 fidelity harness puts the reply it actually generated there (`fill_reply`). Text comes from stdlib
 docstrings (`kvsplice.bench.workload.load_corpus`), so cases are deterministic on a Python build.
 
+`workload_cases(seed)` draws fresh cases from the workload generator (`kvsplice.bench.workload`):
+every edited turn of its conversations, with the turn before it as turn 1. Turn 2 is the edited
+turn's context without the step it appended (the edit the workload made to turn 1's messages),
+then turn 1's reply and a follow-up question, as in the built-in cases; when the edit removed a
+tool result, the question asks about that document (ASK_DELETED), else it is FOLLOW_UP.
+
 JSONL format for `--cases FILE`, one case a line:
     {"name": "my_case", "turn1": [{"role": ..., "content": ...}, ...], "turn2": [...]}
 """
@@ -24,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsplice.bench.workload import SYSTEM_PROMPT, Document, load_corpus, take_words
+from kvsplice.bench.trace import UNEDITED_KINDS
+from kvsplice.bench.workload import SYSTEM_PROMPT, Document, generate_traces, load_corpus, take_words
 
 REPLY_PLACEHOLDER = "<<turn 1 reply>>"
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -32,6 +39,11 @@ FOLLOW_UP = (
     "Thanks. Now, using only the documentation that is still in your context above, write a short summary "
     "of how these modules fit together, name the two functions you found most useful and say why, and "
     "list any open questions you still have before calling the next tool."
+)
+ASK_DELETED = (
+    "Thanks. Now go back to the documentation of {title} that you read earlier: what did it say? Summarize it in "
+    "two sentences, quote its first line exactly, and name one function or class it describes, before "
+    "calling the next tool."
 )
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -42,11 +54,14 @@ class CasesFileError(ValueError):
 
 @dataclass(frozen=True)
 class EditCase:
-    """One fidelity case: `turn1` messages, `turn2` messages (one may be the reply placeholder)."""
+    """One fidelity case: `turn1` messages, `turn2` messages (one may be the reply placeholder);
+    `answer_prefix`: text that starts the assistant's answer after turn 2's generation prompt (the
+    fact task's "The passphrase ... is"), empty for none."""
 
     name: str
     turn1: tuple[dict[str, Any], ...]
     turn2: tuple[dict[str, Any], ...]
+    answer_prefix: str = ""
 
 
 def fill_reply(messages: tuple[dict[str, Any], ...], reply: str) -> list[dict[str, Any]]:
@@ -117,6 +132,35 @@ def builtin_cases(seed: int = 0) -> list[EditCase]:
         turn2 = turn2 + [{"role": "user", "content": FOLLOW_UP}]
         cases.append(EditCase(name, tuple(turn1), tuple(turn2)))
     return cases
+
+
+def workload_cases(seed: int, conversations: int = 8, min_tokens: int = 2000, max_tokens: int = 4000,
+                   max_turns: int = 10) -> list[EditCase]:
+    """Fresh edit cases from `conversations` generated agent conversations (`generate_traces`,
+    deterministic for `seed`, 4..max_turns turns, contexts of min_tokens..max_tokens estimated
+    tokens): one case per edited turn whose previous turn holds a tool result, named
+    "{conversation}-t{turn}-{edit}" (see the module docstring)."""
+    cases = []
+    for conversation in generate_traces(conversations, seed, min_tokens=min_tokens, max_tokens=max_tokens,
+                                        min_turns=4, max_turns=max_turns):
+        for number, (previous, turn) in enumerate(zip(conversation.turns, conversation.turns[1:]), start=1):
+            if turn.edit in UNEDITED_KINDS or not any(m["role"] == "tool" for m in previous.messages):
+                continue
+            turn1 = tuple({"role": m["role"], "content": m["content"]} for m in previous.messages)
+            edited = [{"role": m["role"], "content": m["content"]} for m in turn.messages[:-2]]
+            removed = _removed_titles(turn1, edited)
+            question = ASK_DELETED.format(title=removed[0]) if removed else FOLLOW_UP
+            turn2 = (*edited, {"role": "assistant", "content": REPLY_PLACEHOLDER}, {"role": "user", "content": question})
+            cases.append(EditCase(f"{conversation.id}-t{number}-{turn.edit}", turn1, turn2))
+    return cases
+
+
+def _removed_titles(before, after) -> list[str]:
+    """Titles of the tool results ("Documentation of TITLE:") in `before` that `after` lacks."""
+    kept = {m["content"] for m in after if m["role"] == "tool"}
+    return [m["content"].split(":", 1)[0].removeprefix("Documentation of ")
+            for m in before if m["role"] == "tool" and m["content"] not in kept
+            and m["content"].startswith("Documentation of ")]
 
 
 def _check_messages(value: Any, key: str, where: str) -> tuple[dict[str, Any], ...]:

@@ -7,20 +7,28 @@ For each edit case (`kvsplice.bench.edit_cases`) and each SCR setting:
     exact    engine with prefix_cache=False, the same turn 2 prompt, keep_last_logits=32, greedy N
 
 Metrics over the last 32 prompt positions (always computed: each case ends with a >= 40-token user
-message): KL(exact || SCR) in nats from float64 log_softmax, mean and p90, and top-1 agreement; over
-the N generated tokens: the fraction equal before the first divergence and an exact-match flag; and
-the relocated / prefilled / prefix token counts of turn 2.
+message): KL(exact || SCR) in nats from float64 log_softmax, mean, median and p90, KL at the last
+position (the answer position), and top-1 agreement; over the N generated tokens: the fraction
+equal before the first divergence and an exact-match flag; the relocated / prefilled / recomputed /
+scored token counts of turn 2 and its share of the prompt computed (`kvsplice.bench.fidelity_front`).
+
+The fp8 anchors (`Harness.fp8`): the exact K/V of turn 2's prompt, stored as float8 e4m3 and read
+back, and the last 32 positions computed against them; their KL against exact is what production
+engines accept for halving KV memory. Two scalings, as vLLM offers them: per tensor with scale 1
+(`kv_cache_dtype="fp8"` without calibration, vLLM's and SGLang's default) and per KV head with a
+calibrated scale (amax / 448 of each head's K or V in each layer, llm-compressor's per-head scheme).
 
 All engines share one loaded Decoder (the checkpoint is read once); each case gets a fresh Engine
 (its own pool, radix tree and sessions), and every setting starts from turn 1's prompt in the radix
-tree and nothing else (see `Harness`).
+tree and nothing else (see `Harness`). `kvsplice fidelity --task facts` runs the fact-tracking task
+instead (`kvsplice.bench.fact_cases`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,11 +37,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.bench.edit_cases import CasesFileError, EditCase, builtin_cases, fill_reply, load_cases
+from kvsplice.bench.edit_cases import (CasesFileError, EditCase, builtin_cases, fill_reply, load_cases,
+                                       workload_cases)
+from kvsplice.bench.fidelity_front import choose_default, front_table, pareto, summarize
+from kvsplice.bench.fidelity_metrics import (greedy_prefix_fraction, kl_per_position, percentile,  # noqa: F401
+                                             top1_agreement)
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.engine.llm import LLM, GenerationResult, build_engine
-from kvsplice.reuse.config import ReuseConfig
+from kvsplice.engine.request import Namespace
+from kvsplice.reuse.config import RECOMPUTE_POLICIES, ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
 LOGIT_POSITIONS = 32
@@ -41,29 +54,43 @@ TURN1_REPLY_TOKENS = 16
 DEFAULT_KS = (0, 1, 2, 4, 6, 8)
 DEFAULT_TAILS = (4, 8, 16, 32)
 BASE_K, BASE_TAIL = 6, 16
-POOL_SLOTS = 8_192  # the reference engine: one prompt of up to ~4K tokens at a time
-CASE_POOL_SLOTS = 32_768  # one case: turn 1, its sessions (idle ones are dropped when short), turn 2
+DEFAULT_BUDGETS = (0.0, 0.01, 0.02, 0.04, 0.08)
+POOL_SLOTS = 8_192  # the reference engine: one prompt of up to ~8K tokens at a time
+ANCHOR_LABEL = "fp8 K/V per tensor (e4m3, scale 1)"
+PER_HEAD_LABEL = "fp8 K/V per head (e4m3, amax scale)"
+FP8_E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
+DEFAULT_KL_TARGET = 0.0015
+NO_NAMESPACE = Namespace(None, None)  # the harness's requests carry no owner and no cache_salt
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One SCR configuration under test. max_spans == 0 means SCR off (plain prefix caching)."""
+    """One SCR configuration under test. max_spans == 0 means SCR off (plain prefix caching).
+    `seam_tokens`, `recompute`, `policy`, `score_layers`: selective recompute (always sent, so a
+    server default never leaks into a setting)."""
 
     label: str
     max_spans: int
     tail: int
     no_rerotate: bool = False
+    recompute: float = 0.0
+    policy: str = "heads"
+    score_layers: int = 1
+    seam_tokens: int = 0
 
     def request_scr(self) -> str | dict:
         """The per-request `scr` field for this setting ("off" when K == 0)."""
         if self.max_spans == 0:
             return "off"
-        return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate}
+        return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate,
+                "seam_tokens": self.seam_tokens, "recompute": self.recompute, "recompute_policy": self.policy,
+                "score_layers": self.score_layers}
 
 
 @dataclass(frozen=True)
 class CaseResult:
-    """Fidelity of one case under one setting (see the module docstring for each metric)."""
+    """Fidelity of one case under one setting (see the module docstring for each metric).
+    `computed_tokens`: prefilled tokens plus the scoring pass in token equivalents."""
 
     setting: str
     case: str
@@ -79,53 +106,59 @@ class CaseResult:
     top1_agreement: float
     greedy_prefix_frac: float
     greedy_exact: bool
+    kl_median: float = 0.0
+    kl_answer: float = 0.0
+    recomputed_tokens: int = 0
+    scored_tokens: int = 0
+    computed_tokens: float = 0.0
+    prefill_flops: int = 0
+    full_flops: int = 1
 
 
-def default_settings(ks: Sequence[int] = DEFAULT_KS, tails: Sequence[int] = DEFAULT_TAILS) -> list[Setting]:
-    """The sweep: every K at tail=16, every tail at K=6, and the NO_REROTATE control (K=6, tail=16)."""
+def sweep_settings(ks: Sequence[int] = DEFAULT_KS, tails: Sequence[int] = DEFAULT_TAILS) -> list[Setting]:
+    """The K / tail sweep: every K at tail=16, every tail at K=6, and the NO_REROTATE control (K=6,
+    tail=16); no selective recompute."""
     settings = [Setting(f"K={k} tail={BASE_TAIL}" if k else "scr off", k, BASE_TAIL) for k in ks]
     settings += [Setting(f"K={BASE_K} tail={t}", BASE_K, t) for t in tails if t != BASE_TAIL]
     settings.append(Setting(f"NO_REROTATE K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL, no_rerotate=True))
     return settings
 
 
-# ----- metrics ------------------------------------------------------------------------------
-def kl_per_position(exact: dict[int, torch.Tensor], approx: dict[int, torch.Tensor]) -> dict[int, float]:
-    """KL(exact || approx) in nats at every offset of `exact`, from float64 log_softmax of raw logits.
-    Raises ValueError when `approx` lacks an offset of `exact` (that position was not computed)."""
-    missing = sorted(set(exact) - set(approx))
-    if missing:
-        raise ValueError(f"no SCR logits at prompt offsets {missing[:5]} (served from a cache?)")
-    out = {}
-    for offset, logits in exact.items():
-        log_p = torch.log_softmax(logits.double(), dim=-1)
-        log_q = torch.log_softmax(approx[offset].double(), dim=-1)
-        out[offset] = float((log_p.exp() * (log_p - log_q)).sum())
-    return out
+def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequence[str] = ("heads",),
+                   score_layers: Sequence[int] = (1,), max_spans: int = BASE_K,
+                   tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = ()) -> list[Setting]:
+    """The budget sweep: SCR off, then per tail SCR without recompute, every seam length > 0 alone,
+    and every policy x budget > 0 x score depth (the depth only for the scoring policy)."""
+    settings = [Setting("scr off", 0, tails[0])]
+    for tail in tails:
+        suffix = f" tail={tail}" if len(tails) > 1 else ""
+        settings.append(Setting(f"K={max_spans} tail={tail}", max_spans, tail))
+        settings += [Setting(f"seams {n}{suffix}", max_spans, tail, seam_tokens=n) for n in seams if n > 0]
+        for policy in policies:
+            depths = score_layers if policy == "deviation" else (1,)
+            for budget in (b for b in budgets if b > 0):
+                for depth in depths:
+                    label = (f"{policy} {budget:g}" + (f" d={depth}" if len(depths) > 1 else "")
+                             + (f" tail={tail}" if len(tails) > 1 else ""))
+                    settings.append(Setting(label, max_spans, tail, recompute=budget, policy=policy,
+                                            score_layers=depth))
+    return settings
 
 
-def top1_agreement(exact: dict[int, torch.Tensor], approx: dict[int, torch.Tensor]) -> float:
-    """Fraction of `exact`'s offsets where both logits have the same argmax."""
-    same = [int(exact[o].argmax()) == int(approx[o].argmax()) for o in exact]
-    return sum(same) / len(same)
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """`x` stored as float8 e4m3fn (x / scale, saturated at +-448 as vLLM's cast does) and read
+    back (* scale) in x's dtype; `scale` broadcasts against x."""
+    stored = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (stored.float() * scale).to(x.dtype)
 
 
-def greedy_prefix_fraction(exact_ids: Sequence[int], approx_ids: Sequence[int]) -> float:
-    """Tokens equal before the first divergence, over len(exact_ids) (1.0: identical)."""
-    agree = 0
-    for a, b in zip(exact_ids, approx_ids):
-        if a != b:
-            break
-        agree += 1
-    return agree / max(1, len(exact_ids))
+def per_head_scale(x: torch.Tensor) -> torch.Tensor:
+    """One scale per KV head of `x [tokens, heads, dim]`: its amax / 448, shaped [1, heads, 1]."""
+    return x.abs().amax(dim=(0, 2), keepdim=True).float().clamp_min(1e-12) / FP8_E4M3_MAX
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q` quantile (0..1) of `values`, linear interpolation (numpy's default)."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+FP8_ANCHORS = ((ANCHOR_LABEL, lambda x: fp8_round_trip(x)),
+               (PER_HEAD_LABEL, lambda x: fp8_round_trip(x, per_head_scale(x))))
 
 
 # ----- running ------------------------------------------------------------------------------
@@ -144,13 +177,18 @@ class Harness:
         self.tokenizer = self.reference.tokenizer
         self.gen_tokens = gen_tokens
         self.base = base or ReuseConfig()
+        self.num_layers = self.reference.model_config.num_layers
         self._exact_cache: dict[tuple[int, ...], GenerationResult] = {}
 
-    def case_engine(self) -> Engine:
-        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder, SCR on."""
+    def _engine(self, config: EngineConfig) -> Engine:
         ref = self.reference
-        config = EngineConfig(num_slots=CASE_POOL_SLOTS, reuse=self.base.replace(enabled=True))
         return Engine(ref.runner.model, ref.model_config, ref.tokenizer, config, name=ref.name)
+
+    def case_engine(self, turn1_tokens: int = 4096) -> Engine:
+        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder, SCR on, with room
+        for turn 1, one session and turn 2 of a case whose turn 1 has `turn1_tokens` tokens."""
+        slots = 4 * turn1_tokens + 4096
+        return self._engine(EngineConfig(num_slots=slots, reuse=self.base.replace(enabled=True)))
 
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -164,69 +202,115 @@ class Harness:
                                                   keep_last_logits=LOGIT_POSITIONS)[0]
         return self._exact_cache[key]
 
-    def run_turns(self, llm: LLM, setting: Setting, case: EditCase) -> CaseResult:
-        """Turn 1 then turn 2 of `case` under `setting` in one session; compared with the exact turn 2."""
+    def fp8(self, prompt_ids: list[int]) -> dict[str, GenerationResult]:
+        """The fp8 anchors (FP8_ANCHORS), by label: prefill all but the last LOGIT_POSITIONS tokens
+        exactly (once), store their K/V in every layer as fp8 and read them back, then compute the
+        last positions (and the greedy tokens) against them. The last positions' own K/V stay fp32
+        within their forward (32 of thousands of context entries)."""
+        engine = self._engine(EngineConfig(num_slots=2 * len(prompt_ids) + self.gen_tokens + 64,
+                                           reuse=self.base.replace(enabled=False)))
+        llm = LLM(engine=engine)
+        head = prompt_ids[:-LOGIT_POSITIONS]
+        llm.generate([head], self._params(1))
+        match = engine.cache.radix.match_prefix(head, NO_NAMESPACE)
+        engine.cache.radix.lock(match.node)
+        pool = engine.cache.pool
+        exact_k, exact_v = pool.k[:, match.slots].clone(), pool.v[:, match.slots].clone()
+        results = {}
+        for label, round_trip in FP8_ANCHORS:
+            for layer in range(pool.k.shape[0]):
+                pool.k[layer, match.slots] = round_trip(exact_k[layer])
+                pool.v[layer, match.slots] = round_trip(exact_v[layer])
+            results[label] = llm.generate([prompt_ids], self._params(self.gen_tokens),
+                                          keep_last_logits=LOGIT_POSITIONS)[0]
+            engine.flush_cache()   # keeps the locked head, drops what the last positions added
+        return results
+
+    def turn2_ids(self, llm: LLM, setting: Setting, case: EditCase) -> tuple[list[int], GenerationResult]:
+        """Turn 1 of `case` under `setting` in its session; returns turn 2's prompt and the SCR turn 2."""
         scr = setting.request_scr()
         session_id = f"{case.name}/{setting.label}"
         turn1_ids = self.tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
         first = llm.generate([turn1_ids], self._params(TURN1_REPLY_TOKENS), session_id=session_id, scr=scr)[0]
         turn2_ids = self.tokenizer.apply_chat_template(fill_reply(case.turn2, first.text), add_generation_prompt=True)
+        if case.answer_prefix:
+            turn2_ids += self.tokenizer.encode(case.answer_prefix, add_special_tokens=False)
         second = llm.generate([turn2_ids], self._params(self.gen_tokens), session_id=session_id, scr=scr,
                               keep_last_logits=LOGIT_POSITIONS)[0]
         llm.engine.flush_cache()
-        return compare(setting, case.name, self.exact(turn2_ids), second)
+        return turn2_ids, second
 
-    def run_case(self, case: EditCase, settings: Sequence[Setting]) -> list[CaseResult]:
-        """Every setting on `case`, on one fresh engine (see the class docstring)."""
-        engine = self.case_engine()
-        llm = LLM(engine=engine)
+    def result(self, setting: Setting, case: EditCase, turn2_ids: list[int], second: GenerationResult) -> CaseResult:
+        """The CaseResult of `second` (turn 2 of `case` under `setting`) against the exact turn 2."""
+        stats = second.reuse
+        depth = min(setting.score_layers, self.num_layers - 1)
+        computed = stats.prefilled_tokens + stats.scored_tokens * depth / self.num_layers
+        return compare(setting.label, case.name, self.exact(turn2_ids), second, computed,
+                       self.full_flops(len(turn2_ids)))
+
+    def full_flops(self, prompt_len: int) -> int:
+        """FLOPs of computing every token of a prompt of `prompt_len` tokens."""
+        return self.reference.reuse.flops.prefill_flops(prompt_len, [(0, prompt_len)])
+
+    def run_anchors(self, case: EditCase, turn2_ids: list[int]) -> list[CaseResult]:
+        """The fp8 anchors on turn 2 of `case` (computed share 1: a full prefill, K/V stored in fp8)."""
+        full = self.full_flops(len(turn2_ids))
+        return [_replace(compare(label, case.name, self.exact(turn2_ids), out, len(turn2_ids), full),
+                         prefill_flops=full) for label, out in self.fp8(turn2_ids).items()]
+
+    def case_outputs(self, case: EditCase, settings: Sequence[Setting]) -> list[tuple[list[int], GenerationResult]]:
+        """Turn 2's prompt and SCR result under every setting of `case`, on one fresh engine (see
+        the class docstring)."""
         turn1_ids = self.tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
+        engine = self.case_engine(len(turn1_ids))
+        llm = LLM(engine=engine)
         llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once
         radix = engine.cache.radix
-        turn1 = radix.match_prefix(turn1_ids, None)
+        turn1 = radix.match_prefix(turn1_ids, NO_NAMESPACE)
         radix.lock(turn1.node)
         try:
-            return [self.run_turns(llm, setting, case) for setting in settings]
+            return [self.turn2_ids(llm, setting, case) for setting in settings]
         finally:
             radix.unlock(turn1.node)
 
+    def run_case(self, case: EditCase, settings: Sequence[Setting], anchor: bool = False) -> list[CaseResult]:
+        """Every setting on `case` (`case_outputs`) against the exact turn 2; with `anchor`, the fp8
+        anchors last (on the turn 2 prompt of the first setting, or of SCR off)."""
+        outputs = self.case_outputs(case, list(settings) or [Setting("scr off", 0, BASE_TAIL)])
+        results = [self.result(setting, case, ids, out) for setting, (ids, out) in zip(settings, outputs)]
+        if anchor:
+            results += self.run_anchors(case, outputs[0][0])
+        return results
 
-def compare(setting: Setting, case_name: str, exact: GenerationResult, approx: GenerationResult) -> CaseResult:
-    """The CaseResult of `approx` (SCR turn 2) against `exact` (full recompute of the same prompt)."""
+
+def _replace(result: CaseResult, **changes) -> CaseResult:
+    return CaseResult(**{**asdict(result), **changes})
+
+
+def compare(label: str, case_name: str, exact: GenerationResult, approx: GenerationResult,
+            computed_tokens: float = 0.0, full_flops: int = 1) -> CaseResult:
+    """The CaseResult of `approx` (turn 2 under setting `label`) against `exact` (full recompute of
+    the same prompt)."""
     if exact.prompt_token_ids != approx.prompt_token_ids:
         raise ValueError(f"{case_name}: exact and SCR prompts differ")
-    kls = list(kl_per_position(exact.prompt_logits, approx.prompt_logits).values())
+    per_position = kl_per_position(exact.prompt_logits, approx.prompt_logits)
+    kls = list(per_position.values())
     stats, prompt_tokens = approx.reuse, len(approx.prompt_token_ids)
     return CaseResult(
-        setting=setting.label, case=case_name, prompt_tokens=prompt_tokens,
+        setting=label, case=case_name, prompt_tokens=prompt_tokens,
         prefix_tokens=stats.prefix_tokens, relocated_tokens=stats.relocated_tokens,
         prefilled_tokens=stats.prefilled_tokens, relocated_spans=stats.relocated_spans,
         fallback=stats.fallback, kl_mean=sum(kls) / len(kls), kl_p90=percentile(kls, 0.9), kl_max=max(kls),
         top1_agreement=top1_agreement(exact.prompt_logits, approx.prompt_logits),
         greedy_prefix_frac=greedy_prefix_fraction(exact.token_ids, approx.token_ids),
         greedy_exact=exact.token_ids == approx.token_ids,
+        kl_median=statistics.median(kls), kl_answer=per_position[max(per_position)],
+        recomputed_tokens=stats.recomputed, scored_tokens=stats.scored_tokens,
+        computed_tokens=computed_tokens, prefill_flops=stats.prefill_flops, full_flops=full_flops,
     )
 
 
-# ----- summaries and reports ----------------------------------------------------------------
-def summarize(results: Sequence[CaseResult]) -> dict:
-    """Aggregate one setting's cases: mean of per-case KL means (equal to the pooled mean, since every
-    case has LOGIT_POSITIONS positions), p90 of per-case p90s, mean top-1, greedy, and token sums."""
-    n = len(results)
-    return {
-        "setting": results[0].setting, "cases": n,
-        "kl_mean": sum(r.kl_mean for r in results) / n,
-        "kl_p90": percentile([r.kl_p90 for r in results], 0.9),
-        "kl_max": max(r.kl_max for r in results),
-        "top1_agreement": sum(r.top1_agreement for r in results) / n,
-        "greedy_prefix_frac": sum(r.greedy_prefix_frac for r in results) / n,
-        "greedy_exact": sum(r.greedy_exact for r in results),
-        "prompt_tokens": sum(r.prompt_tokens for r in results),
-        "relocated_tokens": sum(r.relocated_tokens for r in results),
-        "prefilled_tokens": sum(r.prefilled_tokens for r in results),
-    }
-
-
+# ----- reports ------------------------------------------------------------------------------
 def markdown_table(summaries: Sequence[dict]) -> str:
     """One row per setting."""
     lines = ["| setting | mean KL (nats) | p90 KL | max KL | top-1 | greedy prefix | greedy exact | "
@@ -240,28 +324,36 @@ def markdown_table(summaries: Sequence[dict]) -> str:
 
 def case_table(results: Sequence[CaseResult]) -> str:
     """One row per (setting, case)."""
-    lines = ["| setting | case | prompt | prefix | relocated (spans) | prefilled | mean KL | p90 KL | top-1 | "
-             "greedy prefix |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | case | prompt | prefix | relocated (spans) | prefilled (recomputed) | scored | mean KL | "
+             "p90 KL | answer KL | top-1 | greedy prefix |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.setting} | {r.case} | {r.prompt_tokens} | {r.prefix_tokens} | "
-                     f"{r.relocated_tokens} ({r.relocated_spans}) | {r.prefilled_tokens} | {r.kl_mean:.5f} | "
-                     f"{r.kl_p90:.5f} | {r.top1_agreement:.3f} | {r.greedy_prefix_frac:.3f} |")
+                     f"{r.relocated_tokens} ({r.relocated_spans}) | {r.prefilled_tokens} ({r.recomputed_tokens}) | "
+                     f"{r.scored_tokens} | {r.kl_mean:.5f} | {r.kl_p90:.5f} | {r.kl_answer:.5f} | "
+                     f"{r.top1_agreement:.3f} | {r.greedy_prefix_frac:.3f} |")
     return "\n".join(lines)
 
 
-def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir: Path) -> list[Path]:
-    """KL vs K, relocated tokens vs K, KL vs tail (PNG, matplotlib Agg). Returns the paths written."""
+def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir: Path,
+                anchor: Optional[dict] = None) -> list[Path]:
+    """PNGs (matplotlib Agg): KL vs K, relocated tokens vs K and KL vs tail when the K / tail
+    sweep ran; KL vs computed share (one line per policy, the fp8 anchor as a line) when the
+    budget sweep ran. Returns the paths written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     by_label = {s["setting"]: s for s in summaries}
-    k_rows = [(st.max_spans, by_label[st.label]) for st in settings
-              if st.tail == BASE_TAIL and not st.no_rerotate]
-    tail_rows = [(st.tail, by_label[st.label]) for st in settings if st.max_spans == BASE_K and not st.no_rerotate]
-    plots = (("kl_vs_k.png", "K (spans relocated)", "mean KL (nats)", k_rows, "kl_mean"),
-             ("relocated_vs_k.png", "K (spans relocated)", "relocated tokens (all cases)", k_rows, "relocated_tokens"),
-             ("kl_vs_tail.png", f"tail (K={BASE_K})", "mean KL (nats)", tail_rows, "kl_mean"))
+    plain = [st for st in settings if st.recompute == 0 and not st.no_rerotate]
+    k_rows = [(st.max_spans, by_label[st.label]) for st in plain if st.tail == BASE_TAIL]
+    tail_rows = [(st.tail, by_label[st.label]) for st in plain if st.max_spans == BASE_K]
+    plots = []
+    if len({k for k, _ in k_rows}) > 2:
+        plots += [("kl_vs_k.png", "K (spans relocated)", "mean KL (nats)", k_rows, "kl_mean"),
+                  ("relocated_vs_k.png", "K (spans relocated)", "relocated tokens (all cases)", k_rows,
+                   "relocated_tokens")]
+    if len(tail_rows) > 1:
+        plots.append(("kl_vs_tail.png", f"tail (K={BASE_K})", "mean KL (nats)", tail_rows, "kl_mean"))
     paths = []
     for name, xlabel, ylabel, rows, key in plots:
         rows = sorted(rows, key=lambda row: row[0])
@@ -274,71 +366,193 @@ def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir:
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
         paths.append(out_dir / name)
+    if any(st.recompute > 0 for st in settings):
+        paths.append(_plot_front(summaries, settings, anchor, out_dir / "front.png", plt))
     return paths
 
 
+def _plot_front(summaries, settings, anchor, path: Path, plt) -> Path:
+    by_label = {s["setting"]: s for s in summaries}
+    base = [st for st in settings if st.max_spans and st.recompute == 0 and not st.no_rerotate]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(st.policy for st in settings if st.recompute > 0):
+        rows = [by_label[st.label] for st in base[:1]] + [by_label[st.label] for st in settings
+                                                          if st.recompute > 0 and st.policy == policy]
+        rows.sort(key=lambda s: s["computed_share"])
+        ax.plot([100 * s["computed_share"] for s in rows], [s["kl_mean"] for s in rows], marker="o", label=policy)
+    if anchor is not None:
+        ax.axhline(anchor["kl_mean"], color="gray", linestyle="--", label="fp8 K/V")
+    ax.set_xlabel("prompt computed (%)")
+    ax.set_ylabel("mean KL (nats)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def run_sweep(harness: Harness, settings: Sequence[Setting], cases: Sequence[EditCase],
-              log=print) -> tuple[list[CaseResult], list[dict]]:
-    """Every setting over every case; returns the per-case results and one summary per setting."""
+              log=print, anchor: bool = False) -> tuple[list[CaseResult], list[dict]]:
+    """Every setting over every case (and the fp8 anchors with `anchor`); returns the per-case
+    results and one summary per setting, the anchors' last (FP8_ANCHORS order)."""
     results: list[CaseResult] = []
     for case in cases:
         started = time.perf_counter()
-        rows = harness.run_case(case, settings)
+        rows = harness.run_case(case, settings, anchor=anchor)
         results += rows
         log(f"{case.name}: " + ", ".join(f"{r.setting} KL {r.kl_mean:.4f}" for r in rows)
             + f"  ({time.perf_counter() - started:.1f} s)")
-    summaries = [summarize([r for r in results if r.setting == s.label]) for s in settings]
+    labels = [s.label for s in settings] + ([label for label, _ in FP8_ANCHORS] if anchor else [])
+    summaries = [summarize([r for r in results if r.setting == label]) for label in labels]
     return results, summaries
 
 
 # ----- command line -------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-    return values
+def _number_list(kind):
+    def parse(text: str):
+        try:
+            values = [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        if not values or min(values) < 0:
+            raise argparse.ArgumentTypeError(f"expected non-negative numbers, got {text!r}")
+        return values
+    return parse
+
+
+def _name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsplice fidelity", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model path or id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--task", choices=("edits", "facts"), default="edits",
+                        help="edits: KL sweep over edit cases (default); facts: the fact-tracking task")
     parser.add_argument("--cases", default=None, help="JSONL file of cases {name, turn1, turn2} (default: built-in)")
+    parser.add_argument("--workload-seed", type=int, default=None,
+                        help="use fresh cases from the workload generator with this seed instead")
+    parser.add_argument("--workload-conversations", type=int, default=8, help="conversations to draw cases from")
+    parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated)")
+    parser.add_argument("--max-cases", type=int, default=None, help="at most this many cases, spread evenly")
     parser.add_argument("--out", default="fidelity_out", help="directory for results.json, results.md, PNGs")
-    parser.add_argument("--k", type=_int_list, default=list(DEFAULT_KS), help="K values (0 = SCR off)")
-    parser.add_argument("--tails", type=_int_list, default=list(DEFAULT_TAILS), help="tail values at K=6")
+    parser.add_argument("--k", type=_number_list(int), default=None,
+                        help="K values to sweep at tail=16 (0 = SCR off), with the NO_REROTATE control")
+    parser.add_argument("--tails", type=_number_list(int), default=None, help="tail values to sweep at K=6")
+    parser.add_argument("--budgets", type=_number_list(float), default=list(DEFAULT_BUDGETS),
+                        help="selective-recompute shares to sweep at K=6, tail=16 (0: none)")
+    parser.add_argument("--seams", type=_number_list(int), default=[],
+                        help="seam lengths to sweep: tokens recomputed at the start of every relocated span")
+    parser.add_argument("--policies", type=_name_list, default=["heads"],
+                        help=f"recompute policies to sweep ({', '.join(RECOMPUTE_POLICIES)})")
+    parser.add_argument("--score-layers", type=_number_list(int), default=[1],
+                        help="layers of the scoring pass to sweep (deviation policies)")
+    parser.add_argument("--front-tails", type=_number_list(int), default=[BASE_TAIL],
+                        help="span tails of the budget sweep (K=6)")
+    parser.add_argument("--no-anchor", action="store_true", help="skip the fp8 K/V anchors")
+    parser.add_argument("--max-share", type=float, default=0.08,
+                        help="most of the prompt the chosen default may compute")
+    parser.add_argument("--kl-target", type=float, default=DEFAULT_KL_TARGET,
+                        help="mean KL the chosen default must reach (nats)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared after turn 2")
     return parser
 
 
+def select_cases(cases: list[EditCase], names: Optional[list[str]], max_cases: Optional[int]) -> list[EditCase]:
+    """`cases` limited to `names` (ValueError naming unknown ones), then to `max_cases` spread evenly."""
+    if names:
+        known = {case.name for case in cases}
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValueError(f"unknown case(s) {unknown}; known: {sorted(known)}")
+        cases = [case for case in cases if case.name in names]
+    if max_cases is not None and max_cases < len(cases):
+        step = len(cases) / max_cases
+        cases = [cases[int(i * step)] for i in range(max_cases)]
+    return cases
+
+
+def _check_args(args) -> Optional[str]:
+    if args.gen_tokens < 1 or 0 in (args.tails or []) or 0 in args.front_tails:
+        return "--gen-tokens and every tail must be >= 1"
+    if any(b > 1 for b in args.budgets) or not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
+        return "every budget and --max-share must lie in [0, 1], --kl-target in (0, 10)"
+    bad = [p for p in args.policies if p not in RECOMPUTE_POLICIES]
+    if bad:
+        return f"unknown policy {bad[0]!r}; expected some of {', '.join(RECOMPUTE_POLICIES)}"
+    if any(not 1 <= d <= 8 for d in args.score_layers) or (args.max_cases is not None and args.max_cases < 1):
+        return "--score-layers must lie in [1, 8] and --max-cases be >= 1"
+    if any(n > 4096 for n in args.seams):
+        return "every seam length must lie in [0, 4096]"
+    return None
+
+
+def load_edit_cases(args) -> list[EditCase]:
+    """The cases the arguments name; CasesFileError / OSError / ValueError on bad ones."""
+    if args.cases:
+        cases = load_cases(args.cases)
+    elif args.workload_seed is not None:
+        cases = workload_cases(args.workload_seed, conversations=args.workload_conversations)
+    else:
+        cases = builtin_cases()
+    return select_cases(cases, args.case, args.max_cases)
+
+
 def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
-    """`kvsplice fidelity`: run the sweep, print the table, write results.json / results.md / PNGs to
-    --out. Returns 0, or 2 for a bad cases file or bad arguments (message on stderr)."""
+    """`kvsplice fidelity`: run the sweep, print the tables and the front, write results.json /
+    results.md / PNGs to --out. Returns 0, or 2 for a bad cases file or bad arguments (message on
+    stderr)."""
     args = build_parser().parse_args(argv)
-    if args.gen_tokens < 1 or 0 in args.tails:
-        print("error: --gen-tokens and every tail must be >= 1", file=sys.stderr)
+    problem = _check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.task == "facts":
+        from kvsplice.bench.fact_cases import facts_main
+        return facts_main(args)
     try:
-        cases = load_cases(args.cases) if args.cases else builtin_cases()
-    except (CasesFileError, OSError) as exc:
+        cases = load_edit_cases(args)
+    except (CasesFileError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = default_settings(args.k, args.tails)
+    settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
+    front = front_settings(args.budgets, args.policies, args.score_layers, tails=args.front_tails, seams=args.seams)
+    settings += [st for st in front if st.label not in {s.label for s in settings}]
     harness = Harness(args.model, gen_tokens=args.gen_tokens)
-    results, summaries = run_sweep(harness, settings, cases)
-    table = markdown_table(summaries)
-    print(table)
-    (out_dir / "results.md").write_text(table + "\n\n" + case_table(results) + "\n")
+    started = time.perf_counter()
+    results, summaries = run_sweep(harness, settings, cases, anchor=not args.no_anchor)
+    anchors = [] if args.no_anchor else summaries[len(settings):]
+    summaries = summaries[: len(settings)]
+    print(report(summaries, anchors, settings, args, len(cases), time.perf_counter() - started))
+    (out_dir / "results.md").write_text(markdown_table(summaries) + "\n\n" + case_table(results) + "\n")
     (out_dir / "results.json").write_text(json.dumps(
         {"model": harness.reference.name, "logit_positions": LOGIT_POSITIONS, "gen_tokens": args.gen_tokens,
-         "summaries": summaries, "cases": [asdict(r) for r in results]}, indent=1))
-    for path in write_plots(summaries, settings, out_dir):
+         "summaries": summaries, "anchors": anchors, "cases": [asdict(r) for r in results]}, indent=1))
+    for path in write_plots(summaries, settings, out_dir, anchors[0] if anchors else None):
         print(f"wrote {path}")
     return 0
+
+
+def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Setting], args,
+           n_cases: int, seconds: float) -> str:
+    """The printed report: the settings table, the front with the anchors, and the chosen default."""
+    scr = [s for s, st in zip(summaries, settings) if st.max_spans and not st.no_rerotate]
+    chosen = choose_default(scr, args.kl_target, args.max_share)
+    lines = [markdown_table(summaries), "", f"front over {n_cases} cases ({seconds:.0f} s):",
+             front_table(scr, anchors), ""]
+    if chosen is None:
+        lines.append(f"chosen: none of the settings computes at most {args.max_share:.0%} of the prompt")
+    else:
+        rule = (f"cheapest front setting with mean KL <= {args.kl_target:g}" if chosen["kl_mean"] <= args.kl_target
+                else "lowest mean KL on the front")
+        lines.append(f"chosen: {chosen['setting']} ({rule}, computed <= {args.max_share:.0%}): mean KL "
+                     f"{chosen['kl_mean']:.5f}, median {chosen['kl_median']:.5f}, p90 {chosen['kl_case_p90']:.5f}, "
+                     f"worst case {chosen['kl_worst']:.4f}, computed {chosen['computed_share']:.1%}")
+    lines.append(f"front: {', '.join(s['setting'] for s in scr if s['setting'] in pareto(scr))}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ suite, every built-in case behind the `sweep` marker (`python -m pytest -m sweep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -143,3 +144,67 @@ def test_default_model_meets_the_targets_on_every_case():
     harness = Harness(None, gen_tokens=4)
     _, (scr, control) = run_sweep(harness, SCR_SETTINGS, builtin_cases(), log=lambda _: None)
     assert_meets_the_targets(scr, control)
+
+
+# ----- the fact task and the front ----------------------------------------------------------
+def test_fact_cases_plant_edit_and_ask():
+    from kvsplice.bench.fact_cases import KINDS, fact_cases
+    facts = fact_cases(per_kind=2)
+    assert [f.kind for f in facts[:5]] == list(KINDS) and len(facts) == 10
+    for fact in facts:
+        turn1 = " ".join(m["content"] for m in fact.case.turn1)
+        turn2 = " ".join(m["content"] for m in fact.case.turn2)
+        vault = fact.case.answer_prefix.split(" the ")[1].split()[0]
+        assert f"for the {vault} vault" in fact.case.turn2[-1]["content"]
+        if fact.stale is not None:
+            assert fact.stale in turn1 and fact.stale not in turn2      # updated or deleted
+        if fact.current is not None:
+            assert fact.current in turn2
+        assert (fact.current is None) == (fact.kind in ("delete_result", "replace_note"))
+        assert (fact.stale is None) == (fact.kind == "keep")
+    assert fact_cases(per_kind=2) == facts
+
+
+def test_fact_task_end_to_end_on_a_tiny_model(tiny_dir):
+    """Exact recompute and SCR on every kind: every question scored, exact has no answer KL."""
+    from kvsplice.bench.fact_cases import fact_cases, facts_table, run_facts
+    harness = Harness(tiny_dir, gen_tokens=1, base=ReuseConfig(min_span=8))
+    facts = fact_cases(per_kind=1)
+    facts = [dataclasses.replace(f, case=_shorter(f.case)) for f in facts]
+    settings = [Setting("K=2 tail=4", 2, 4), Setting("heads", 2, 4, recompute=0.2, policy="heads")]
+    results = run_facts(harness, settings, facts, log=lambda _: None)
+    assert len(results) == 3 * len(facts)
+    assert all(r.kl_answer == 0.0 for r in results if r.setting == "exact")
+    assert all(0.0 <= r.p_current <= 1.0 and 0.0 <= r.p_stale <= 1.0 for r in results)
+    table = facts_table(results)
+    assert "| exact | all | 5 |" in table and "| heads | delete_result | 1 |" in table
+
+
+def _shorter(case):
+    """A fact case cut to fit the tiny model's context: every content at most 60 words."""
+    def cut(messages):
+        return tuple({**m, "content": " ".join(m["content"].split(" ")[:60])} if m["role"] == "tool" else m
+                     for m in messages)
+    return dataclasses.replace(case, turn1=cut(case.turn1), turn2=cut(case.turn2))
+
+
+def test_front_marks_the_pareto_settings_and_chooses_the_cheapest_good_one():
+    from kvsplice.bench.fidelity_front import choose_default, front_table, pareto
+    rows = [{"setting": name, "computed_share": share, "kl_mean": kl, "flops_share": share, "kl_median": kl,
+             "kl_case_p90": kl, "kl_worst": kl, "worst_case": "c", "kl_answer": kl, "top1_agreement": 1.0}
+            for name, share, kl in (("a", 0.04, 0.004), ("b", 0.06, 0.001), ("c", 0.07, 0.002), ("d", 0.09, 0.0005))]
+    assert pareto(rows) == {"a", "b", "d"}
+    assert choose_default(rows, 0.0015, 0.08)["setting"] == "b"
+    assert choose_default(rows, 0.0001, 0.08)["setting"] == "b"      # none good enough: lowest KL within budget
+    assert choose_default(rows, 0.0015, 0.03) is None
+    table = front_table(rows, [dict(rows[0], setting="fp8")])
+    assert table.splitlines()[2].startswith("| fp8 |") and "reference" in table
+
+
+def test_fp8_round_trip_keeps_three_mantissa_bits():
+    from kvsplice.bench.fidelity import fp8_round_trip, per_head_scale
+    x = torch.tensor([[[1.0, 1.0625, 300.0, 1000.0, -0.001]]])
+    y = fp8_round_trip(x)
+    assert y[0, 0, :3].tolist() == [1.0, 1.0, 288.0] and y[0, 0, 3] == 448.0   # rounded, saturated
+    scale = per_head_scale(x)
+    assert scale.shape == (1, 1, 1) and float(fp8_round_trip(x, scale).abs().max()) == pytest.approx(1000.0)

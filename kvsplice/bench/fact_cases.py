@@ -1,0 +1,244 @@
+"""The fact-tracking task: does the answer follow the current fact, or a stale or deleted one?
+
+Agent transcripts like the edit cases' (`kvsplice.bench.edit_cases`), with passphrases planted in
+tool results and in the working notes. Turn 2 edits the context, then asks about one fact, and
+the assistant's answer is started for the model, so the next token is the answer (a small model
+answers such questions by copying):
+
+    turn 1   [sys][task][notes: vault A = amber][call][result ... vault B is cobalt ...][call][result] ...
+    turn 2   ...edited...[REPLY][user: What is the passphrase for the B vault? ...][assistant: The passphrase
+             for the B vault is]  -> next token: " cobalt"?
+
+Kinds of question (the fact asked about, and how turn 2 changed it):
+
+    update_result   its tool result rewritten in place with a new value      current: new, stale: old
+    update_note     its line in the notes rewritten with a new value         current: new, stale: old
+    delete_result   its tool call and result deleted                         current: none, stale: the deleted
+    replace_note    its result replaced by a one-line note without it        current: none, stale: the deleted
+    keep            an earlier result deleted; the fact itself relocated     current: the fact, stale: none
+
+Every value starts with a token of its own, so "follows" is the top-1 next token: the first token
+of the current value, or of the stale one. Per setting (exact recompute, SCR as it is, SCR with
+selective recompute) and kind: how often the answer follows the current value, how often the stale
+or deleted one, the probabilities of both, and KL(exact || SCR) at the answer position.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from kvsplice.bench.edit_cases import REPLY_PLACEHOLDER, EditCase
+from kvsplice.bench.workload import SYSTEM_PROMPT, load_corpus, take_words
+
+VAULTS = ("north", "harbor", "summit", "river", "garden", "tower", "canyon", "meadow", "island", "forest")
+# one-token values (with their leading space) in SmolLM2's vocabulary; any tokenizer works, a
+# value's first token is what is scored
+VALUES = ("amber", "cobalt", "saffron", "quartz", "walnut", "indigo", "basil", "coral", "maple", "hazel",
+          "ivory", "copper", "violet", "lantern", "falcon", "orchid", "pepper", "silver")
+KINDS = ("update_result", "update_note", "delete_result", "replace_note", "keep")
+RESULT_WITH_FACT, OTHER_FACT_RESULT, EARLIER_RESULT = 2, 4, 1   # tool results, counted from 0
+QUESTION = ("Before the next tool call, look back at the documentation and the working notes above: the next "
+            "step of the task needs one detail from them. What is the passphrase for the {vault} vault? Answer "
+            "with the passphrase only, exactly as it is written above.")
+ANSWER = "The passphrase for the {vault} vault is"
+
+
+@dataclass(frozen=True)
+class FactCase:
+    """One question: the two-turn case (its answer prefix starts the answer), its kind, the value
+    that is current in turn 2 (None: deleted) and the stale one (None: nothing stale)."""
+
+    case: EditCase
+    kind: str
+    current: Optional[str]
+    stale: Optional[str]
+
+
+def _fact(vault: str, value: str) -> str:
+    return f"The passphrase for the {vault} vault is {value}."
+
+
+def _plant(text: str, sentence: str, rng: random.Random) -> str:
+    """`sentence` inserted between two words of `text`, 30-60% of the way in."""
+    words = text.split(" ")
+    at = rng.randint(len(words) * 3 // 10, len(words) * 6 // 10)
+    return " ".join(words[:at] + [sentence] + words[at:])
+
+
+def _transcript(rng: random.Random, vaults: list[str], values: list[str], steps: int = 5,
+                result_words: int = 170) -> list[dict]:
+    """System, task, notes (vaults[0] = values[0]), then `steps` calls and results; results
+    RESULT_WITH_FACT and OTHER_FACT_RESULT carry vaults[1] = values[1] and vaults[2] = values[2]."""
+    corpus = load_corpus()
+    _, task = take_words(rng, corpus, 14)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"Task: explain how these fit together, citing the docs. Context: {task}"},
+                {"role": "user", "content": f"Working notes:\n- passphrase for the {vaults[0]} vault: {values[0]}"}]
+    planted = {RESULT_WITH_FACT: 1, OTHER_FACT_RESULT: 2}
+    for step in range(steps):
+        _, reasoning = take_words(rng, corpus, 30)
+        title, result = take_words(rng, corpus, result_words)
+        if step in planted:
+            result = _plant(result, _fact(vaults[planted[step]], values[planted[step]]), rng)
+        messages.append({"role": "assistant", "content": f"<think>I should check {title} next. {reasoning}</think>\n"
+                                                          f"read_doc({json.dumps({'name': title})})"})
+        messages.append({"role": "tool", "content": f"Documentation of {title}:\n{result}"})
+    return messages
+
+
+def _result_offset(messages: list[dict], number: int) -> int:
+    return [offset for offset, m in enumerate(messages) if m["role"] == "tool"][number]
+
+
+def _edit(kind: str, messages: list[dict], vaults: list[str], values: list[str], new: str):
+    """Turn 2's messages for `kind` and (vault asked, current value, stale value)."""
+    fact_at = _result_offset(messages, RESULT_WITH_FACT)
+    if kind == "update_result":
+        edited = dict(messages[fact_at], content=messages[fact_at]["content"].replace(
+            _fact(vaults[1], values[1]), _fact(vaults[1], new)))
+        return messages[:fact_at] + [edited] + messages[fact_at + 1:], (vaults[1], new, values[1])
+    if kind == "update_note":
+        notes = dict(messages[2], content=f"Working notes:\n- passphrase for the {vaults[0]} vault: {new}")
+        return messages[:2] + [notes] + messages[3:], (vaults[0], new, values[0])
+    if kind == "delete_result":
+        return messages[: fact_at - 1] + messages[fact_at + 1:], (vaults[1], None, values[1])
+    if kind == "replace_note":
+        gist = " ".join(messages[fact_at]["content"].split()[:12])
+        note = dict(messages[fact_at], content=f"[note] Result removed to save context. It began: {gist} ...")
+        return messages[:fact_at] + [note] + messages[fact_at + 1:], (vaults[1], None, values[1])
+    earlier = _result_offset(messages, EARLIER_RESULT)
+    return messages[: earlier - 1] + messages[earlier + 1:], (vaults[1], values[1], None)
+
+
+def fact_cases(seed: int = 0, per_kind: int = 4) -> list[FactCase]:
+    """`per_kind` questions of every kind (KINDS), each on its own transcript; deterministic for
+    `seed` on a Python build."""
+    cases = []
+    for number in range(per_kind):
+        for kind in KINDS:
+            rng = random.Random(f"kvsplice-facts:{seed}:{number}:{kind}")
+            vaults = rng.sample(VAULTS, 3)
+            values = rng.sample(VALUES, 4)
+            turn1 = _transcript(rng, vaults, values[:3])
+            edited, (vault, current, stale) = _edit(kind, turn1 + [{"role": "assistant", "content": REPLY_PLACEHOLDER}],
+                                                    vaults, values, values[3])
+            turn2 = edited + [{"role": "user", "content": QUESTION.format(vault=vault)}]
+            case = EditCase(f"{kind}-{number}", tuple(turn1), tuple(turn2), ANSWER.format(vault=vault))
+            cases.append(FactCase(case, kind, current, stale))
+    return cases
+
+
+# ----- scoring ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FactResult:
+    """One question under one setting: whether the top-1 answer token is the current / stale
+    value's first token, their probabilities, and KL(exact || setting) at the answer position
+    (0 for exact recompute itself) and over the last positions."""
+
+    setting: str
+    case: str
+    kind: str
+    follows_current: bool
+    follows_stale: bool
+    p_current: float
+    p_stale: float
+    kl_answer: float
+    kl_mean: float
+
+
+def first_token(tokenizer, value: Optional[str]) -> Optional[int]:
+    """The first token id of " value" (None for None)."""
+    return None if value is None else tokenizer.encode(f" {value}", add_special_tokens=False)[0]
+
+
+def score(setting: str, fact: FactCase, logits: torch.Tensor, tokenizer, kl_answer: float,
+          kl_mean: float) -> FactResult:
+    """A FactResult from the answer position's raw `logits [vocab]`."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    top = int(probs.argmax())
+    current, stale = first_token(tokenizer, fact.current), first_token(tokenizer, fact.stale)
+    return FactResult(setting, fact.case.name, fact.kind, top == current, top == stale,
+                      float(probs[current]) if current is not None else 0.0,
+                      float(probs[stale]) if stale is not None else 0.0, kl_answer, kl_mean)
+
+
+def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print) -> list[FactResult]:
+    """Every setting (`kvsplice.bench.fidelity.Setting`) and exact recompute on every question."""
+    results = []
+    for fact in facts:
+        started = time.perf_counter()
+        outputs = harness.case_outputs(fact.case, settings)
+        exact = harness.exact(outputs[0][0])
+        answer = max(exact.prompt_logits)
+        results.append(score("exact", fact, exact.prompt_logits[answer], harness.tokenizer, 0.0, 0.0))
+        for setting, (turn2_ids, out) in zip(settings, outputs):
+            row = harness.result(setting, fact.case, turn2_ids, out)
+            results.append(score(setting.label, fact, out.prompt_logits[answer], harness.tokenizer,
+                                 row.kl_answer, row.kl_mean))
+        log(f"{fact.case.name}: " + ", ".join(f"{r.setting} {'C' if r.follows_current else 'S' if r.follows_stale else '-'}"
+                                              f" KL {r.kl_answer:.4f}" for r in results[-len(settings) - 1:])
+            + f"  ({time.perf_counter() - started:.1f} s)")
+    return results
+
+
+def facts_table(results: Sequence[FactResult]) -> str:
+    """Per setting and kind (and all kinds): questions, answers following the current value, the
+    stale one, mean probabilities, mean answer-position KL and mean KL over the last positions."""
+    lines = ["| setting | kind | questions | follows current | follows stale/deleted | p(current) | p(stale) | "
+             "answer KL | mean KL |", "|---|---|---|---|---|---|---|---|---|"]
+    settings = list(dict.fromkeys(r.setting for r in results))
+    for setting in settings:
+        for kind in KINDS + ("all",):
+            rows = [r for r in results if r.setting == setting and kind in (r.kind, "all")]
+            if not rows:
+                continue
+            n = len(rows)
+            with_current = [r for r in rows if r.kind in ("update_result", "update_note", "keep")]
+            with_stale = [r for r in rows if r.kind != "keep"]
+            lines.append(
+                f"| {setting} | {kind} | {n} | {_share(with_current, 'follows_current')} | "
+                f"{_share(with_stale, 'follows_stale')} | {_mean(with_current, 'p_current')} | "
+                f"{_mean(with_stale, 'p_stale')} | {sum(r.kl_answer for r in rows) / n:.4f} | "
+                f"{sum(r.kl_mean for r in rows) / n:.5f} |")
+    return "\n".join(lines)
+
+
+def _share(rows, key: str) -> str:
+    return f"{sum(getattr(r, key) for r in rows)}/{len(rows)}" if rows else "-"
+
+
+def _mean(rows, key: str) -> str:
+    return f"{sum(getattr(r, key) for r in rows) / len(rows):.3f}" if rows else "-"
+
+
+def facts_main(args) -> int:
+    """`kvsplice fidelity --task facts`: SCR without recompute and with the server default's
+    selective recompute, against exact recompute, on `--max-cases` questions (default: 4 of each
+    kind). Writes facts.json and facts.md to --out; returns 0."""
+    from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Harness, Setting
+    from kvsplice.reuse.config import ReuseConfig
+
+    default = ReuseConfig()
+    per_kind = max(1, -(-args.max_cases // len(KINDS))) if args.max_cases else 4
+    facts = fact_cases(per_kind=per_kind)[: args.max_cases or None]
+    settings = [Setting(f"K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL),
+                Setting(f"default ({default.recompute_policy} {default.recompute:g}, tail={default.tail})",
+                        default.max_spans, default.tail, recompute=default.recompute,
+                        policy=default.recompute_policy, score_layers=default.score_layers)]
+    harness = Harness(args.model, gen_tokens=1)
+    started = time.perf_counter()
+    results = run_facts(harness, settings, facts)
+    table = facts_table(results)
+    print(f"{len(facts)} questions ({time.perf_counter() - started:.0f} s):\n{table}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "facts.md").write_text(table + "\n")
+    (out_dir / "facts.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
