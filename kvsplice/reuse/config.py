@@ -104,27 +104,6 @@ class ReuseConfig:
         return "scr " + " ".join(parts)
 
 
-class RecomputeSetting(NamedTuple):
-    """Type and inclusive range of one selective-recompute setting (`choices` for strings)."""
-
-    kind: type
-    lower: float = 0
-    upper: float = 0
-    choices: tuple[str, ...] = ()
-
-
-# Kept apart from the other settings: their own ranges, upper bounds included. `seam_tokens` at
-# most 4,096 (the error sits in the first few dozen tokens after a seam); `recompute` is a share of
-# the relocated tokens; `score_layers` at most 8 (CacheBlend checks at layer 1; a deeper
-# check costs more and a full recompute at that depth is cheaper than scoring).
-RECOMPUTE_SETTINGS: dict[str, RecomputeSetting] = {
-    "seam_tokens": RecomputeSetting(int, 0, 4096),
-    "recompute": RecomputeSetting(float, 0.0, 1.0),
-    "recompute_policy": RecomputeSetting(str, choices=RECOMPUTE_POLICIES),
-    "score_layers": RecomputeSetting(int, 1, 8),
-}
-
-
 FIELD_TYPES: dict[str, type] = {
     "enabled": bool,
     "max_spans": int,
@@ -144,7 +123,10 @@ FIELD_TYPES: dict[str, type] = {
     "state_mode": str,
     "checkpoint_policy": str,
     "checkpoint_max_states": int,
-    **{name: spec.kind for name, spec in RECOMPUTE_SETTINGS.items()},
+    "seam_tokens": int,
+    "recompute": float,
+    "recompute_policy": str,
+    "score_layers": int,
 }
 
 # Every setting's range, inclusive. Lower bounds: tail >= 1 keeps the prompt's last token computed.
@@ -154,7 +136,10 @@ FIELD_TYPES: dict[str, type] = {
 # and the rolling hash's bit mask must fit 64 bits); at most 1,024 relocated spans per request;
 # at most 2**20 tracked sessions and 2**32 private session tokens (beyond any pool's memory);
 # at most 2**20 state checkpoints (one is megabytes on a real hybrid); fractions and margins in
-# [0, 1] (they compare token overlaps, which lie in [0, 1]).
+# [0, 1] (they compare token overlaps, which lie in [0, 1]; `recompute` is a share of the relocated
+# tokens). Selective recompute: at most 4,096 seam tokens per span (the error sits in the first
+# few dozen tokens after a seam) and a scoring pass of at most 8 layers (CacheBlend checks at
+# layer 1; deeper, a full recompute of the candidates costs little more).
 MAX_TOKENS = 1 << 22
 _INT_RANGE = {
     "max_spans": (0, 1024),
@@ -167,6 +152,8 @@ _INT_RANGE = {
     "fastdiff_min": (0, MAX_TOKENS),
     "cdc_target": (4, 1 << 16),
     "checkpoint_max_states": (0, 1 << 20),
+    "seam_tokens": (0, 4096),
+    "score_layers": (1, 8),
 }
 _FLOAT_RANGE = (0.0, 1.0)
 
@@ -184,9 +171,6 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
     range (see _INT_RANGE; fractions in [0, 1]). Booleans are not accepted as numbers, and numbers are
     not accepted as booleans. `label`: how the message names the setting (default: `name`)."""
     label = label or name
-    if name in RECOMPUTE_SETTINGS:
-        _check_recompute_field(name, value, label)
-        return
     kind = FIELD_TYPES.get(name)
     if kind is None:
         raise SettingError(f"unknown SCR setting: {label}", label)
@@ -199,8 +183,9 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
             raise SettingError(f"{label}: {exc}", label) from None
         return
     if kind is str:
-        if value not in STATE_MODES:
-            raise SettingError(f"{label} must be one of {', '.join(STATE_MODES)}, got {value!r}", label)
+        choices = RECOMPUTE_POLICIES if name == "recompute_policy" else STATE_MODES
+        if value not in choices:
+            raise SettingError(f"{label} must be one of {', '.join(choices)}, got {value!r}", label)
         return
     if kind is bool:
         if not isinstance(value, bool):
@@ -213,21 +198,6 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
         raise SettingError(f"{label} must lie in [{lower}, {upper}], got {value!r}", label)
     if name == "cdc_target" and value & (value - 1):
         raise SettingError(f"{label} must be a power of 2 (it is used as a bit mask), got {value!r}", label)
-
-
-def _check_recompute_field(name: str, value: Any, label: str) -> None:
-    """check_field for the selective-recompute settings: type, then range or choices."""
-    spec = RECOMPUTE_SETTINGS[name]
-    if spec.kind is str:
-        if value not in spec.choices:
-            raise SettingError(f"{label} must be one of {', '.join(spec.choices)}, got {value!r}", label)
-        return
-    numeric = (int, float) if spec.kind is float else int
-    if isinstance(value, bool) or not isinstance(value, numeric):
-        raise SettingError(f"{label} must be {'a number' if spec.kind is float else 'an integer'}, got {value!r}",
-                           label)
-    if not spec.lower <= value <= spec.upper:  # NaN fails too
-        raise SettingError(f"{label} must lie in [{spec.lower}, {spec.upper}], got {value!r}", label)
 
 
 def parse_str(raw: str) -> str:
@@ -323,7 +293,7 @@ ENV_TABLE: tuple[EnvVar, ...] = (
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode", *RECOMPUTE_SETTINGS})
+                            "state_mode", "seam_tokens", "recompute", "recompute_policy", "score_layers"})
 
 SALT_OFF = "kvreuse:off"
 

@@ -2,29 +2,31 @@
 from what a full recompute would give.
 
 A relocated token's K/V were computed while the old context was visible; in the new prompt its
-context lost or gained text, and the deviation grows with depth (CacheBlend, Yao et al., EuroSys
-2025, §4: tokens with a high K/V deviation at an early layer keep it in later layers). A share of
-the relocated tokens (`ReuseConfig.recompute`) is computed again in every layer, in the request's
-main forward, next to B', the span tails and D. Which ones is the policy's choice:
+context lost or gained text. Measured on the default model (docs/BENCHMARKS.md), the deviation
+sits right after each seam: the first 16 tokens of a span deviate 10-100x more in the deep layers
+than tokens a few hundred positions in, and layer 1 barely shows it (so CacheBlend's layer-1 check,
+Yao et al., EuroSys 2025, ranks them poorly). Tokens are recomputed in every layer, in the
+request's main forward, next to B', the span tails and D:
 
     new prompt       [ A ][ B' ][ C1 relocated ............ ][tail][ C2 relocated ...... ][tail][ D ]
+    seam_tokens             ^^^^                                    ^^^^                        (first N of each span)
+    recompute share              policy: "heads" (more of each span's head, shared out evenly)
+                                 or "deviation" (the top scores of a scoring pass)
+    main forward           B'   ^^^^ ...                      tail  ^^^^ ...             tail  D
+
+The "deviation" policy's scoring pass (CacheBlend's selection):
+
     scoring pass           B'   C1 ......................          C2 ...............          (rows)
       layers 0..d-1 in full over the rows (their K/V written: exact there), layer d's K and V
-      projected and compared with the relocated ones: the deviation of every relocated row
-    selection                   ^^    ^     ^                       ^^^ ^                   (top share)
-    main forward           B'   ^^    ^     ^                 tail  ^^^ ^              tail  D
+      projected and compared with the relocated ones (`kv_deviation`); the top share is chosen
 
 Layer 0's K/V of a token depend on the token and its position only, so they are exact once
 re-rotated; rows of B' (and of earlier tails) are in the scoring pass because the relocated rows
-after them attend to them. Policies (`POLICIES`):
-
-    deviation   score every relocated token by its layer-d K/V deviation, recompute the top share
-    ...
-
-The scoring pass is a phase of the request (`Req.scoring`): the scheduler gives it scoring chunks
-(rows run through `score_layers` layers only, `Decoder.layer_kv`), the engine hands their K/V to
-`ScoringPass.record`, and when every row is scored the plan is amended (`SpanPlan.with_recomputed`)
-before the main forward. Policies that need no scoring pass choose at admission.
+after them attend to them. The pass is a phase of the request (`Req.scoring`): the scheduler gives
+it scoring chunks (rows run through `score_layers` layers only, `Decoder.layer_kv`), the engine
+hands their K/V to `ScoringPass.record` (via the ReuseManager), and when every row is scored the
+plan is amended (`SpanPlan.with_recomputed`) before the main forward. Seams and "heads" need no
+scoring pass: they are chosen at admission.
 """
 
 from __future__ import annotations
@@ -116,11 +118,11 @@ def kv_deviation(new_k: torch.Tensor, new_v: torch.Tensor, old_k: torch.Tensor,
     return relative(new_k, old_k) + relative(new_v, old_v)
 
 
-# ----- policies -----------------------------------------------------------------------------
+# ----- seams and policies -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Policy:
-    """How a policy picks: `candidates(plan)` to score in a scoring pass (deviation policies), or
-    `choose(plan, count)` at admission (policies without one). Exactly one is set."""
+    """How a policy picks: `candidates(plan)` to score in a scoring pass ("deviation"), or
+    `choose(plan, count)` at admission ("heads"). Exactly one is set."""
 
     candidates: Callable[[SpanPlan], list[int]] | None = None
     choose: Callable[[SpanPlan, int], list[int]] | None = None
