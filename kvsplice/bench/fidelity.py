@@ -54,12 +54,16 @@ TURN1_REPLY_TOKENS = 16
 DEFAULT_KS = (0, 1, 2, 4, 6, 8)
 DEFAULT_TAILS = (4, 8, 16, 32)
 BASE_K, BASE_TAIL = 6, 16
-DEFAULT_BUDGETS = (0.0, 0.01, 0.02, 0.04, 0.08)
+DEFAULT_BUDGETS = (0.02,)
+DEFAULT_SEAMS = (8, 16, 32)
+DEFAULT_POLICIES = ("heads", "deviation")
+DEFAULT_FRONT_TAILS = (16, 4)
 POOL_SLOTS = 8_192  # the reference engine: one prompt of up to ~8K tokens at a time
 ANCHOR_LABEL = "fp8 K/V per tensor (e4m3, scale 1)"
 PER_HEAD_LABEL = "fp8 K/V per head (e4m3, amax scale)"
 FP8_E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
-DEFAULT_KL_TARGET = 0.0015
+DEFAULT_KL_TARGET = 0.0015   # the fp8 level the issue of record names; reported, not chosen by
+DEFAULT_WORST_TARGET = 0.03
 NO_NAMESPACE = Namespace(None, None)  # the harness's requests carry no owner and no cache_salt
 
 
@@ -442,19 +446,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tails", type=_number_list(int), default=None, help="tail values to sweep at K=6")
     parser.add_argument("--budgets", type=_number_list(float), default=list(DEFAULT_BUDGETS),
                         help="selective-recompute shares to sweep at K=6, tail=16 (0: none)")
-    parser.add_argument("--seams", type=_number_list(int), default=[],
+    parser.add_argument("--seams", type=_number_list(int), default=list(DEFAULT_SEAMS),
                         help="seam lengths to sweep: tokens recomputed at the start of every relocated span")
-    parser.add_argument("--policies", type=_name_list, default=["heads"],
+    parser.add_argument("--policies", type=_name_list, default=list(DEFAULT_POLICIES),
                         help=f"recompute policies to sweep ({', '.join(RECOMPUTE_POLICIES)})")
     parser.add_argument("--score-layers", type=_number_list(int), default=[1],
                         help="layers of the scoring pass to sweep (deviation policies)")
-    parser.add_argument("--front-tails", type=_number_list(int), default=[BASE_TAIL],
+    parser.add_argument("--front-tails", type=_number_list(int), default=list(DEFAULT_FRONT_TAILS),
                         help="span tails of the budget sweep (K=6)")
     parser.add_argument("--no-anchor", action="store_true", help="skip the fp8 K/V anchors")
     parser.add_argument("--max-share", type=float, default=0.08,
                         help="most of the prompt the chosen default may compute")
     parser.add_argument("--kl-target", type=float, default=DEFAULT_KL_TARGET,
-                        help="mean KL the chosen default must reach (nats)")
+                        help="mean KL the report checks the chosen setting against (nats)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared after turn 2")
     return parser
 
@@ -538,19 +542,21 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Setting], args,
            n_cases: int, seconds: float) -> str:
-    """The printed report: the settings table, the front with the anchors, and the chosen default."""
+    """The printed report: the settings table, the front with the anchors, and the chosen setting
+    (the front's lowest mean KL within --max-share) checked against the targets."""
     scr = [s for s, st in zip(summaries, settings) if st.max_spans and not st.no_rerotate]
-    chosen = choose_default(scr, args.kl_target, args.max_share)
+    chosen = choose_default(scr, args.max_share)
     lines = [markdown_table(summaries), "", f"front over {n_cases} cases ({seconds:.0f} s):",
              front_table(scr, anchors), ""]
     if chosen is None:
         lines.append(f"chosen: none of the settings computes at most {args.max_share:.0%} of the prompt")
     else:
-        rule = (f"cheapest front setting with mean KL <= {args.kl_target:g}" if chosen["kl_mean"] <= args.kl_target
-                else "lowest mean KL on the front")
-        lines.append(f"chosen: {chosen['setting']} ({rule}, computed <= {args.max_share:.0%}): mean KL "
-                     f"{chosen['kl_mean']:.5f}, median {chosen['kl_median']:.5f}, p90 {chosen['kl_case_p90']:.5f}, "
-                     f"worst case {chosen['kl_worst']:.4f}, computed {chosen['computed_share']:.1%}")
+        meets = (chosen["kl_mean"] <= args.kl_target and chosen["kl_worst"] <= DEFAULT_WORST_TARGET)
+        lines.append(f"chosen (lowest mean KL on the front within {args.max_share:.0%} computed): {chosen['setting']}: "
+                     f"mean KL {chosen['kl_mean']:.5f}, median {chosen['kl_median']:.5f}, "
+                     f"p90 {chosen['kl_case_p90']:.5f}, worst case {chosen['kl_worst']:.4f}, computed "
+                     f"{chosen['computed_share']:.1%}; {'meets' if meets else 'misses'} mean <= {args.kl_target:g} "
+                     f"and worst <= {DEFAULT_WORST_TARGET:g}")
     lines.append(f"front: {', '.join(s['setting'] for s in scr if s['setting'] in pareto(scr))}")
     return "\n".join(lines)
 

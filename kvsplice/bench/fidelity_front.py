@@ -64,18 +64,12 @@ def pareto(summaries: Sequence[dict]) -> set[str]:
     return front
 
 
-def choose_default(summaries: Sequence[dict], kl_target: float, max_share: float) -> Optional[dict]:
-    """The cheapest front setting whose mean KL is at most `kl_target` and whose computed share is
-    at most `max_share`; without one, the front setting of lowest mean KL within `max_share`.
-    None when no setting fits."""
+def choose_default(summaries: Sequence[dict], max_share: float) -> Optional[dict]:
+    """The front setting of lowest mean KL among those computing at most `max_share` of the
+    prompt (what the compute budget buys); None when no setting fits."""
     front = pareto(summaries)
     within = [s for s in summaries if s["setting"] in front and s["computed_share"] <= max_share]
-    if not within:
-        return None
-    good = [s for s in within if s["kl_mean"] <= kl_target]
-    if good:
-        return min(good, key=lambda s: s["computed_share"])
-    return min(within, key=lambda s: s["kl_mean"])
+    return min(within, key=lambda s: s["kl_mean"]) if within else None
 
 
 def front_table(summaries: Sequence[dict], anchors: Sequence[dict] = ()) -> str:

@@ -53,7 +53,7 @@ class ReuseConfig:
     # relocation: the first `seam_tokens` of every relocated span, and a `recompute` share of the
     # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
     # through the first `score_layers` layers)
-    seam_tokens: int = 0
+    seam_tokens: int = 16
     recompute: float = 0.0
     recompute_policy: str = "heads"
     score_layers: int = 1

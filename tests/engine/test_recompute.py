@@ -14,7 +14,7 @@ from kvsplice.reuse.config import ReuseConfig
 from kvsplice.reuse.recompute import kv_deviation, relocated_offsets
 from kvsplice.sampling_params import SamplingParams
 
-BASE = ReuseConfig(match_min_tokens=16, min_span=8, tail=4, max_spans=6)
+BASE = ReuseConfig(match_min_tokens=16, min_span=8, tail=4, max_spans=6, seam_tokens=0)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 

@@ -61,7 +61,8 @@ def reuse_of(usage) -> dict:
     reuse = usage.model_extra["reuse"]
     assert usage.prompt_tokens == reuse["prefix_tokens"] + reuse["relocated_tokens"] + reuse["prefilled_tokens"]
     assert usage.prompt_tokens_details.cached_tokens == reuse["prefix_tokens"] + reuse["relocated_tokens"]
-    breakdown = reuse["changed"] + reuse["span_tails"] + reuse["unchosen_spans"] + reuse["uncached_unchanged"]
+    breakdown = (reuse["changed"] + reuse["span_tails"] + reuse["unchosen_spans"] + reuse["uncached_unchanged"]
+                 + reuse["recomputed"])
     assert breakdown == reuse["prefilled_tokens"]
     assert (reuse["relocated_spans"] > 0) == (reuse["relocated_tokens"] > 0)
     return reuse
