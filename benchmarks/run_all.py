@@ -55,11 +55,31 @@ BENCHMARKS = (
               "Multi-turn edited conversations on the default model, same server run: prompt tokens computed per "
               "edited turn and TTFT for SCR, prefix caching alone, and the lower bound (changed + appended tokens)."),
     Benchmark("fidelity", "SCR fidelity against exact recompute", "SCR / report",
-              "kvsplice fidelity --out runs/fidelity",
+              "kvsplice fidelity --k 0,1,2,4,6,8 --tails 4,8,16,32 --budgets 0 --seams 0 --front-tails 16 --no-anchor "
+              "--out runs/fidelity",
               "Built-in edit cases on 1.5K-4K-token chats with the default model: KL(exact || SCR) over the last 32 "
               "prompt positions, top-1 agreement, greedy agreement over 32 tokens; sweeps over K and tail; the "
               "NO_REROTATE control. Targets: mean KL <= 0.005 nats and top-1 >= 99% at K=6/tail=16; NO_REROTATE >= "
               "100x worse."),
+    Benchmark("fidelity_front", "Selective recompute: the fidelity front", "fidelity guard",
+              "kvsplice fidelity --gen-tokens 4 --out runs/fidelity_front",
+              "The built-in edit cases with the default model: KL(exact || SCR) over the last 32 prompt positions "
+              "(mean, median, p90 and worst of the cases' means, and at the answer position) against the share of the "
+              "prompt computed, for seam lengths, recompute shares by policy and two span tails, with two fp8 K/V "
+              "anchors (exact K/V stored in float8 e4m3) computed in the same run. Targets at the default setting: "
+              "mean KL <= 0.0015 nats with at most 8% of the prompt computed, worst case <= 0.03."),
+    Benchmark("fidelity_fresh", "Selective recompute on fresh workload cases", "fidelity guard",
+              "kvsplice fidelity --workload-seed 2 --max-cases 12 --seams 16 --budgets 0 --front-tails 16 "
+              "--gen-tokens 4 --out runs/fidelity_fresh",
+              "Cases drawn from the workload generator with a seed no setting was tuned on: SCR as it was, the "
+              "default setting, and the fp8 K/V anchors. Same targets as the front."),
+    Benchmark("fidelity_facts", "Fact tracking: current, stale and deleted facts", "fidelity guard",
+              "kvsplice fidelity --task facts --out runs/fidelity_facts",
+              "Agent transcripts with passphrases planted in tool results and notes, then updated, deleted or kept, "
+              "then asked for: how often the answer follows the current value and how often the stale or deleted "
+              "one, for exact recompute, SCR as it was and the default setting, with the KL at the answer position. "
+              "Targets: stale answers no more often than exact recompute; the deleted-fact questions' answer-position "
+              "KL at least halved."),
     Benchmark("scr_replay", "Agent-trace replay, SCR on vs off", "report",
               "python benchmarks/scr_replay.py --out runs/scr_replay",
               "The same synthetic context-editing agent trace replayed against two servers (SCR on, SCR off) on the "

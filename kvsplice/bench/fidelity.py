@@ -543,7 +543,7 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
 def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Setting], args,
            n_cases: int, seconds: float) -> str:
     """The printed report: the settings table, the front with the anchors, and the chosen setting
-    (the front's lowest mean KL within --max-share) checked against the targets."""
+    (the front's knee within --max-share: `choose_default`) checked against the targets."""
     scr = [s for s, st in zip(summaries, settings) if st.max_spans and not st.no_rerotate]
     chosen = choose_default(scr, args.max_share)
     lines = [markdown_table(summaries), "", f"front over {n_cases} cases ({seconds:.0f} s):",
@@ -552,7 +552,8 @@ def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Settin
         lines.append(f"chosen: none of the settings computes at most {args.max_share:.0%} of the prompt")
     else:
         meets = (chosen["kl_mean"] <= args.kl_target and chosen["kl_worst"] <= DEFAULT_WORST_TARGET)
-        lines.append(f"chosen (lowest mean KL on the front within {args.max_share:.0%} computed): {chosen['setting']}: "
+        lines.append(f"chosen (the cheapest front setting within 10% of the lowest mean KL at most "
+                     f"{args.max_share:.0%} computed buys): {chosen['setting']}: "
                      f"mean KL {chosen['kl_mean']:.5f}, median {chosen['kl_median']:.5f}, "
                      f"p90 {chosen['kl_case_p90']:.5f}, worst case {chosen['kl_worst']:.4f}, computed "
                      f"{chosen['computed_share']:.1%}; {'meets' if meets else 'misses'} mean <= {args.kl_target:g} "

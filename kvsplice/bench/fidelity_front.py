@@ -64,12 +64,16 @@ def pareto(summaries: Sequence[dict]) -> set[str]:
     return front
 
 
-def choose_default(summaries: Sequence[dict], max_share: float) -> Optional[dict]:
-    """The front setting of lowest mean KL among those computing at most `max_share` of the
-    prompt (what the compute budget buys); None when no setting fits."""
+def choose_default(summaries: Sequence[dict], max_share: float, tolerance: float = 0.1) -> Optional[dict]:
+    """The front's knee within the compute budget: among the front settings computing at most
+    `max_share` of the prompt, the cheapest whose mean KL is within `tolerance` (relative) of the
+    lowest; None when no setting fits."""
     front = pareto(summaries)
     within = [s for s in summaries if s["setting"] in front and s["computed_share"] <= max_share]
-    return min(within, key=lambda s: s["kl_mean"]) if within else None
+    if not within:
+        return None
+    best = min(s["kl_mean"] for s in within)
+    return min((s for s in within if s["kl_mean"] <= best * (1 + tolerance)), key=lambda s: s["computed_share"])
 
 
 def front_table(summaries: Sequence[dict], anchors: Sequence[dict] = ()) -> str:

@@ -196,6 +196,7 @@ def test_front_marks_the_pareto_settings_and_chooses_the_best_within_the_budget(
     assert pareto(rows) == {"a", "b", "d"}
     assert choose_default(rows, 0.08)["setting"] == "b"      # lowest KL on the front within the budget
     assert choose_default(rows, 0.10)["setting"] == "d"
+    assert choose_default(rows, 0.10, tolerance=1.0)["setting"] == "b"   # d is not worth it then
     assert choose_default(rows, 0.03) is None
     table = front_table(rows, [dict(rows[0], setting="fp8")])
     assert table.splitlines()[2].startswith("| fp8 |") and "reference" in table
