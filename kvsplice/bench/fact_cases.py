@@ -1,11 +1,12 @@
 """The fact-tracking task: does the answer follow the current fact, or a stale or deleted one?
 
-Agent transcripts like the edit cases' (`kvsplice.bench.edit_cases`), with passphrases planted in
-tool results and in the working notes. Turn 2 edits the context, then asks about one fact, and
-the assistant's answer is started for the model, so the next token is the answer (a small model
-answers such questions by copying):
+Agent transcripts like the edit cases' (`kvsplice.bench.edit_cases`), with one passphrase planted
+in a tool result or in the working notes. Turn 2 edits the context, then asks for it, and the
+assistant's answer is started for the model, so the next token is the answer (a small model
+answers such questions by copying; with several passphrases in view the default model copies the
+wrong one as often as the right one, so each transcript holds one):
 
-    turn 1   [sys][task][notes: vault A = amber][call][result ... vault B is cobalt ...][call][result] ...
+    turn 1   [sys][task][notes][call][result][call][result ... the B vault is cobalt ...][call][result] ...
     turn 2   ...edited...[REPLY][user: What is the passphrase for the B vault? ...][assistant: The passphrase
              for the B vault is]  -> next token: " cobalt"?
 
@@ -43,7 +44,7 @@ VAULTS = ("north", "harbor", "summit", "river", "garden", "tower", "canyon", "me
 VALUES = ("amber", "cobalt", "saffron", "quartz", "walnut", "indigo", "basil", "coral", "maple", "hazel",
           "ivory", "copper", "violet", "lantern", "falcon", "orchid", "pepper", "silver")
 KINDS = ("update_result", "update_note", "delete_result", "replace_note", "keep")
-RESULT_WITH_FACT, OTHER_FACT_RESULT, EARLIER_RESULT = 2, 4, 1   # tool results, counted from 0
+RESULT_WITH_FACT, EARLIER_RESULT = 2, 1   # tool results, counted from 0
 QUESTION = ("Before the next tool call, look back at the documentation and the working notes above: the next "
             "step of the task needs one detail from them. What is the passphrase for the {vault} vault? Answer "
             "with the passphrase only, exactly as it is written above.")
@@ -72,21 +73,21 @@ def _plant(text: str, sentence: str, rng: random.Random) -> str:
     return " ".join(words[:at] + [sentence] + words[at:])
 
 
-def _transcript(rng: random.Random, vaults: list[str], values: list[str], steps: int = 5,
-                result_words: int = 170) -> list[dict]:
-    """System, task, notes (vaults[0] = values[0]), then `steps` calls and results; results
-    RESULT_WITH_FACT and OTHER_FACT_RESULT carry vaults[1] = values[1] and vaults[2] = values[2]."""
+def _transcript(rng: random.Random, vault: str, value: str, in_notes: bool, steps: int = 5,
+                 result_words: int = 170) -> list[dict]:
+    """System, task, notes, then `steps` calls and results; `vault` = `value` is planted in the
+    notes (`in_notes`) or in tool result RESULT_WITH_FACT."""
     corpus = load_corpus()
     _, task = take_words(rng, corpus, 14)
+    notes = f"- passphrase for the {vault} vault: {value}" if in_notes else "- (none yet)"
     messages = [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": f"Task: explain how these fit together, citing the docs. Context: {task}"},
-                {"role": "user", "content": f"Working notes:\n- passphrase for the {vaults[0]} vault: {values[0]}"}]
-    planted = {RESULT_WITH_FACT: 1, OTHER_FACT_RESULT: 2}
+                {"role": "user", "content": f"Working notes:\n{notes}"}]
     for step in range(steps):
         _, reasoning = take_words(rng, corpus, 30)
         title, result = take_words(rng, corpus, result_words)
-        if step in planted:
-            result = _plant(result, _fact(vaults[planted[step]], values[planted[step]]), rng)
+        if step == RESULT_WITH_FACT and not in_notes:
+            result = _plant(result, _fact(vault, value), rng)
         messages.append({"role": "assistant", "content": f"<think>I should check {title} next. {reasoning}</think>\n"
                                                           f"read_doc({json.dumps({'name': title})})"})
         messages.append({"role": "tool", "content": f"Documentation of {title}:\n{result}"})
@@ -97,24 +98,23 @@ def _result_offset(messages: list[dict], number: int) -> int:
     return [offset for offset, m in enumerate(messages) if m["role"] == "tool"][number]
 
 
-def _edit(kind: str, messages: list[dict], vaults: list[str], values: list[str], new: str):
-    """Turn 2's messages for `kind` and (vault asked, current value, stale value)."""
+def _edit(kind: str, messages: list[dict], vault: str, old: str, new: str) -> tuple[list[dict], Optional[str]]:
+    """Turn 2's messages for `kind` and the value current in them (None: deleted)."""
     fact_at = _result_offset(messages, RESULT_WITH_FACT)
     if kind == "update_result":
-        edited = dict(messages[fact_at], content=messages[fact_at]["content"].replace(
-            _fact(vaults[1], values[1]), _fact(vaults[1], new)))
-        return messages[:fact_at] + [edited] + messages[fact_at + 1:], (vaults[1], new, values[1])
+        edited = dict(messages[fact_at], content=messages[fact_at]["content"].replace(_fact(vault, old), _fact(vault, new)))
+        return messages[:fact_at] + [edited] + messages[fact_at + 1:], new
     if kind == "update_note":
-        notes = dict(messages[2], content=f"Working notes:\n- passphrase for the {vaults[0]} vault: {new}")
-        return messages[:2] + [notes] + messages[3:], (vaults[0], new, values[0])
+        notes = dict(messages[2], content=f"Working notes:\n- passphrase for the {vault} vault: {new}")
+        return messages[:2] + [notes] + messages[3:], new
     if kind == "delete_result":
-        return messages[: fact_at - 1] + messages[fact_at + 1:], (vaults[1], None, values[1])
+        return messages[: fact_at - 1] + messages[fact_at + 1:], None
     if kind == "replace_note":
         gist = " ".join(messages[fact_at]["content"].split()[:12])
         note = dict(messages[fact_at], content=f"[note] Result removed to save context. It began: {gist} ...")
-        return messages[:fact_at] + [note] + messages[fact_at + 1:], (vaults[1], None, values[1])
+        return messages[:fact_at] + [note] + messages[fact_at + 1:], None
     earlier = _result_offset(messages, EARLIER_RESULT)
-    return messages[: earlier - 1] + messages[earlier + 1:], (vaults[1], values[1], None)
+    return messages[: earlier - 1] + messages[earlier + 1:], old
 
 
 def fact_cases(seed: int = 0, per_kind: int = 4) -> list[FactCase]:
@@ -124,14 +124,13 @@ def fact_cases(seed: int = 0, per_kind: int = 4) -> list[FactCase]:
     for number in range(per_kind):
         for kind in KINDS:
             rng = random.Random(f"kvsplice-facts:{seed}:{number}:{kind}")
-            vaults = rng.sample(VAULTS, 3)
-            values = rng.sample(VALUES, 4)
-            turn1 = _transcript(rng, vaults, values[:3])
-            edited, (vault, current, stale) = _edit(kind, turn1 + [{"role": "assistant", "content": REPLY_PLACEHOLDER}],
-                                                    vaults, values, values[3])
+            vault = rng.choice(VAULTS)
+            old, new = rng.sample(VALUES, 2)
+            turn1 = _transcript(rng, vault, old, in_notes=kind == "update_note")
+            edited, current = _edit(kind, turn1 + [{"role": "assistant", "content": REPLY_PLACEHOLDER}], vault, old, new)
             turn2 = edited + [{"role": "user", "content": QUESTION.format(vault=vault)}]
             case = EditCase(f"{kind}-{number}", tuple(turn1), tuple(turn2), ANSWER.format(vault=vault))
-            cases.append(FactCase(case, kind, current, stale))
+            cases.append(FactCase(case, kind, current, None if kind == "keep" else old))
     return cases
 
 
@@ -219,8 +218,8 @@ def _mean(rows, key: str) -> str:
 
 
 def facts_main(args) -> int:
-    """`kvsplice fidelity --task facts`: SCR without recompute and with the server default's
-    selective recompute, against exact recompute, on `--max-cases` questions (default: 4 of each
+    """`kvsplice fidelity --task facts`: SCR without selective recompute (K=6, tail=16) and with
+    the server default's, against exact recompute, on `--max-cases` questions (default: 4 of each
     kind). Writes facts.json and facts.md to --out; returns 0."""
     from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Harness, Setting
     from kvsplice.reuse.config import ReuseConfig
@@ -229,9 +228,9 @@ def facts_main(args) -> int:
     per_kind = max(1, -(-args.max_cases // len(KINDS))) if args.max_cases else 4
     facts = fact_cases(per_kind=per_kind)[: args.max_cases or None]
     settings = [Setting(f"K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL),
-                Setting(f"default ({default.recompute_policy} {default.recompute:g}, tail={default.tail})",
-                        default.max_spans, default.tail, recompute=default.recompute,
-                        policy=default.recompute_policy, score_layers=default.score_layers)]
+                Setting(f"default (seams {default.seam_tokens}, {default.recompute_policy} {default.recompute:g})",
+                        default.max_spans, default.tail, recompute=default.recompute, policy=default.recompute_policy,
+                        score_layers=default.score_layers, seam_tokens=default.seam_tokens)]
     harness = Harness(args.model, gen_tokens=1)
     started = time.perf_counter()
     results = run_facts(harness, settings, facts)
