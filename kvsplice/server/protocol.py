@@ -11,19 +11,65 @@ conversation for SCR session matching), `scr` ("on", "off" or an object of per-r
 `message_offsets` (completions and /generate): token offsets where the prompt's messages start, so a
 hybrid model saves its linear layers' state there; chat completions compute them from the template and
 refuse the field.
+
+Size limits (kvsplice.server.limits.RequestLimits) come in through the validation context
+(`Model.model_validate(obj, context={"limits": limits})`); without one the static defaults apply and
+the message count is unbounded. A message count over the limit is refused before the messages are
+validated one by one. An empty stop string is refused whether it comes alone (`"stop": ""`) or in a
+list (`"stop": [""]`), as vLLM does: it would match before the first token.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
+
+from kvsplice.server.limits import RequestLimits
 
 
 class _Request(BaseModel):
     """Base of request bodies: unknown fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+def request_limits(info: ValidationInfo) -> RequestLimits:
+    """The limits passed in the validation context, or the static defaults."""
+    return (info.context or {}).get("limits") or RequestLimits()
+
+
+def _check_stop(stop: Union[str, list[str], None], info: ValidationInfo) -> Union[str, list[str], None]:
+    """`stop`: at most max_stop entries, each non-empty and at most max_stop_chars characters."""
+    if stop is None:
+        return stop
+    limits = request_limits(info)
+    entries = [stop] if isinstance(stop, str) else stop
+    if len(entries) > limits.max_stop:
+        raise ValueError(f"at most {limits.max_stop} stop strings are allowed, got {len(entries)}")
+    for entry in entries:
+        if entry == "":
+            raise ValueError("stop strings must be non-empty (an empty one would match before the first token)")
+        if len(entry) > limits.max_stop_chars:
+            raise ValueError(f"a stop string may have at most {limits.max_stop_chars} characters, "
+                             f"got {len(entry)}")
+    return stop
+
+
+def _check_stop_token_ids(ids: Optional[list[int]], info: ValidationInfo) -> Optional[list[int]]:
+    limit = request_limits(info).max_stop
+    if ids is not None and len(ids) > limit:
+        raise ValueError(f"at most {limit} stop token ids are allowed, got {len(ids)}")
+    return ids
+
+
+def _check_id(value: Optional[str], info: ValidationInfo) -> Optional[str]:
+    """An identifier (`session_id`, `cache_salt`, `rid`): at most max_id_chars characters."""
+    limit = request_limits(info).max_id_chars
+    if value is not None and len(value) > limit:
+        raise ValueError(f"may have at most {limit} characters, got {len(value)}")
+    return value
 
 
 class StreamOptions(_Request):
@@ -104,6 +150,10 @@ class _SamplingFields(_Request):
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
 
+    _stop_limits = field_validator("stop")(_check_stop)
+    _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
+    _id_limits = field_validator("cache_salt", "session_id")(_check_id)
+
     @model_validator(mode="after")
     def _supported(self) -> "_SamplingFields":
         if self.n != 1:
@@ -127,6 +177,14 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Any = None
     message_offsets: Any = None   # refused: the server computes them from the messages
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, messages: Any, info: ValidationInfo) -> Any:
+        limit = request_limits(info).max_messages
+        if isinstance(messages, list) and limit is not None and len(messages) > limit:
+            raise ValueError(f"at most {limit} messages are allowed, got {len(messages)}")
+        return messages
 
     @field_validator("messages")
     @classmethod
@@ -198,6 +256,9 @@ class GenerateSamplingParams(_Request):
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
+    _stop_limits = field_validator("stop")(_check_stop)
+    _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
+
 
 class GenerateRequest(_Request):
     """SGLang POST /generate: exactly one of `text` or `input_ids`, `sampling_params`, `stream`."""
@@ -211,6 +272,8 @@ class GenerateRequest(_Request):
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
     message_offsets: Optional[list[StrictInt]] = None
+
+    _id_limits = field_validator("rid", "cache_salt", "session_id")(_check_id)
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
