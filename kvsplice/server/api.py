@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,8 +54,8 @@ from kvsplice.server import protocol as p
 from kvsplice.server.auth import ApiKeys, AuthMiddleware, refuse_browser_request, request_owner
 from kvsplice.server.body import parse_request
 from kvsplice.server.chat import ReasoningStream, chat_message_offsets, chat_prompt_ids, split_reasoning
-from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, bind_request_id, error_body, internal_error,
-                                    validation_message)
+from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, bad_request, bind_request_id, error_body,
+                                    internal_error, validation_message)
 from kvsplice.server.limits import RequestLimits
 from kvsplice.server.metrics import RequestObservation, ServerMetrics
 from kvsplice.server.model_names import served_names
@@ -69,7 +69,9 @@ from kvsplice.server.workers import WorkerPool
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 # What each kind of route may answer besides 200 (the OpenAPI document declares exactly these).
-INFERENCE_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
+# An inference route answers JSON, or with "stream": true an event stream (Server-Sent Events).
+INFERENCE_ERRORS = {200: {"content": {"application/json": {}, "text/event-stream": {}}},
+                    **error_responses(400, 401, 404, 413, 500, 503)}
 READ_ERRORS = error_responses(401, 500)
 ADMIN_ERRORS = error_responses(401, 403, 500, 503)
 PROBE_ERRORS = error_responses(500, 503)
@@ -173,6 +175,17 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: Optional[int], p
     return requested
 
 
+def _check_prompt_ids(state: ServerState, prompt_ids: list[int], param: str) -> None:
+    """400 naming `param` for an empty prompt or a token id outside the vocabulary (the engine checks
+    too, but cannot say which field the ids came from)."""
+    if not prompt_ids:
+        raise ApiError(400, f"{param}: must not be empty", param=param)
+    vocab = state.engine.model_config.vocab_size
+    bad = next((token for token in prompt_ids if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
 def _sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],
               prompt_logprobs: Optional[int]) -> SamplingParams:
     """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1)."""
@@ -257,7 +270,7 @@ async def _start(state: ServerState, tracker: _Tracker, prompt_ids: list[int], p
         raise ApiError(503, str(exc), error_type="ServiceUnavailableError", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
+        raise bad_request(exc) from exc
     except RuntimeError as exc:  # RequestFailedError, EngineDeadError, or anything else the engine raised
         raise _engine_failure(state, tracker, exc) from exc
     tracker.add(first)
@@ -463,8 +476,6 @@ async def _completion(state: ServerState, request: Request, body: p.CompletionRe
     tokenizer = state.engine.tokenizer
     prompt = body.single_prompt()
     prompt_ids = await state.workers.run(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
-    if not prompt_ids:
-        raise ApiError(400, "prompt: must not be empty", param="prompt")
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
     if body.echo and body.stream:
@@ -472,6 +483,7 @@ async def _completion(state: ServerState, request: Request, body: p.CompletionRe
     score_only = body.max_tokens == 0
     # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
     max_tokens = _max_tokens(state, len(prompt_ids), 1 if score_only else body.max_tokens, "prompt")
+    _check_prompt_ids(state, prompt_ids, "prompt")
     prompt_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
     params = _sampling(body, max_tokens, body.logprobs, prompt_lps)
     session_id = _session_id(state, body, request)
@@ -548,10 +560,14 @@ async def _generate(state: ServerState, request: Request, body: p.GenerateReques
                        param="sampling_params.max_new_tokens")
     max_tokens = _max_tokens(state, len(prompt_ids), sp.max_new_tokens, prompt_param,
                              "sampling_params.max_new_tokens")
-    params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                            top_k=sp.top_k if sp.top_k not in (None, 0, -1) else None, min_p=sp.min_p, seed=sp.seed,
-                            stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
-                            ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
+    _check_prompt_ids(state, prompt_ids, prompt_param)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                top_k=sp.top_k if sp.top_k not in (None, 0, -1) else None, min_p=sp.min_p,
+                                seed=sp.seed, stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                                ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
+    except ValueError as exc:
+        raise bad_request(exc, "sampling_params.") from exc
     session_id = _session_id(state, body, request)
     tracker = _Tracker(rid, "generate", session_id)
     offsets = _message_offsets(body.message_offsets, len(prompt_ids))
@@ -671,7 +687,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return answer(400, error_body(str(exc)))
+        error = bad_request(exc)
+        return answer(400, error.body())
 
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
@@ -748,19 +765,25 @@ def _install_inference_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"status": "ok", "message": "cache flushed"})
 
 
+def _add_probe(app: FastAPI, path: str, probe) -> None:
+    """Route GET and HEAD of `path` to `probe` (HEAD: the same status and headers, no body), each with
+    its own OpenAPI operation id."""
+    name = path.strip("/")
+    for method in ("GET", "HEAD"):
+        app.add_api_route(path, probe, methods=[method], responses=PROBE_ERRORS,
+                          operation_id=f"{name}_{method.lower()}")
+
+
 def _install_info_routes(app: FastAPI, state: ServerState) -> None:
     """Probes, metrics and descriptions of the served model."""
     engine = state.engine
 
-    @app.api_route("/health", methods=["GET", "HEAD"], responses=PROBE_ERRORS)
     async def health() -> Response:
         """Liveness: 200 while the engine thread runs (the model is loaded before the app starts)."""
         if not state.async_engine.alive:
             return JSONResponse(error_body("the engine thread died", "server_error"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.api_route("/health_generate", methods=["GET", "HEAD"], responses=PROBE_ERRORS)
-    @app.api_route("/readiness", methods=["GET", "HEAD"], responses=PROBE_ERRORS)
     async def readiness() -> Response:
         """Readiness: 200 only when the engine thread answers a call between steps."""
         if not state.async_engine.alive:
@@ -771,7 +794,10 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse(error_body(f"the engine does not answer: {exc!r}", "server_error"), status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics", responses=error_responses(500))
+    for path, probe in (("/health", health), ("/readiness", readiness), ("/health_generate", readiness)):
+        _add_probe(app, path, probe)
+
+    @app.get("/metrics", responses=error_responses(500), response_class=PlainTextResponse)
     async def metrics() -> Response:
         """Prometheus exposition; engine gauges from the last snapshot when the engine thread is busy."""
         snapshot = await state.snapshots.get()

@@ -12,6 +12,7 @@ handler bound with `bind_request_id`, or a fresh one), logged with its traceback
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
@@ -24,6 +25,8 @@ from kvsplice.server.protocol import ErrorInfo, ErrorResponse
 
 LOG = logging.getLogger("kvsplice.server")
 REQUEST_ID_STATE_KEY = "kvsplice_request_id"
+# kvsplice's ValueErrors name the field first: "temperature: must be a finite number >= 0, got -1".
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
 
 # Why each status is sent (the OpenAPI document's descriptions).
 ERROR_STATUSES: Mapping[int, str] = {
@@ -58,6 +61,23 @@ def error_body(message: str, error_type: str = "invalid_request_error", param: O
     return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code)).model_dump()
 
 
+def param_in_message(message: str) -> Optional[str]:
+    """The field a "field: what is wrong" message names, or None."""
+    match = _FIELD_PREFIX.match(message)
+    return match.group(1) if match else None
+
+
+def bad_request(exc: ValueError, prefix: str = "") -> ApiError:
+    """A 400 for a ValueError from kvsplice's own checks, naming the field the error carries (`param`,
+    as the SCR settings' SettingError does) or its message starts with; `prefix` (e.g.
+    "sampling_params.") places that field inside the request body."""
+    message = str(exc)
+    param = getattr(exc, "param", None) or param_in_message(message)
+    if param is not None and prefix:
+        message, param = prefix + message, prefix + param
+    return ApiError(400, message, param=param)
+
+
 def validation_message(errors: Iterable[Mapping[str, Any]]) -> tuple[str, Optional[str]]:
     """A readable message and the offending parameter (dotted path) from pydantic's
     `ValidationError.errors()` (FastAPI's RequestValidationError has the same shape).
@@ -71,9 +91,12 @@ def validation_message(errors: Iterable[Mapping[str, Any]]) -> tuple[str, Option
         if err.get("type") == "json_invalid":
             parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if not loc and param_in_message(msg):  # a model-level check that names its field itself
+            loc = tuple(param_in_message(msg).split("."))
+            msg = msg[_FIELD_PREFIX.match(msg).end():]
         where = ".".join(loc)
         locations.append(loc)
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request", _shared_param(locations)
 

@@ -98,8 +98,9 @@ class ToolCall(BaseModel):
 class ContentPart(BaseModel):
     """A part of a list-valued `content`; only text parts are supported (this is a text-only server)."""
 
-    model_config = ConfigDict(extra="allow")
-    type: str
+    # The document says what is accepted (a text part); validation keeps the clearer error for the rest.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: Optional[str] = None
 
     @model_validator(mode="after")
@@ -170,7 +171,7 @@ class _SamplingFields(_Request):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. `max_completion_tokens` (newer OpenAI name) wins over `max_tokens`."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = None
@@ -211,7 +212,12 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a one-element list of either
     (several prompts in one request are refused with 400: send one request per prompt)."""
 
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": 1,
+         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
@@ -262,6 +268,10 @@ class GenerateSamplingParams(_Request):
 
 class GenerateRequest(_Request):
     """SGLang POST /generate: exactly one of `text` or `input_ids`, `sampling_params`, `stream`."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}}]})
 
     text: Optional[str] = None
     input_ids: Optional[list[StrictInt]] = None
