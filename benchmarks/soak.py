@@ -46,6 +46,9 @@ from kvsplice.bench.workload import generate_traces
 KEYS = ("sk-soak-tenant-a-5f2b9c1e7d", "sk-soak-tenant-b-08a4e6c3f1")
 ACTIONS = (("turn", 0.55), ("abort", 0.12), ("disconnect", 0.12), ("bad", 0.21))
 MAX_NEW_TOKENS = 12
+# Below this many requests after the warm-up, RSS growth per 1,000 requests is allocator noise, not a
+# trend: it is reported as n/a and not judged.
+MIN_REQUESTS_FOR_GROWTH = 200
 OVERSIZE_BODY = b'{"prompt": "' + b"w" * (2 << 20) + b'"}'  # over the default body limit of any small model
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
@@ -267,6 +270,13 @@ def verdict(tally: Tally, rss: dict[str, float], idle: dict[str, Any], alive: bo
     return reasons
 
 
+def _growth(rss: dict[str, float]) -> str:
+    if "growth_mb_per_1k" not in rss:
+        return (f"n/a ({rss['requests_after_warmup']} requests after the warm-up, fewer than "
+                f"{MIN_REQUESTS_FOR_GROWTH})")
+    return f"{rss['growth_mb_per_1k']:.2f} MiB per 1,000 requests ({rss['requests_after_warmup']} requests)"
+
+
 def report(tally: Tally, rss: dict[str, float], idle: dict[str, Any], reasons: list[str], args, model: str) -> str:
     lines = [f"soak: {model}, {args.duration:.0f} s, {args.clients} clients, seed {args.seed}",
              f"cpu: {cpu_line()}", f"requests: {tally.total} ({tally.total / rss['elapsed_s']:.2f}/s)",
@@ -274,8 +284,8 @@ def report(tally: Tally, rss: dict[str, float], idle: dict[str, Any], reasons: l
     lines += [f"  {action:<11} {status:<15} {count}" for (action, status), count in sorted(tally.counts.items())]
     lines += [f"5xx: {tally.server_errors}",
               f"RSS MiB: start {rss['start']:.1f}, after warm-up ({args.warmup:.0f} s, {rss['warm_requests']} "
-              f"requests) {rss['warm']:.1f}, end {rss['end']:.1f}; growth after warm-up "
-              f"{rss['growth_mb_per_1k']:.2f} MiB per 1,000 requests",
+              f"requests) {rss['warm']:.1f}, end {rss['end']:.1f} (after /flush_cache {rss['after_flush']:.1f}); "
+              f"growth after warm-up: {_growth(rss)}",
               f"idle: slots in use {idle.get('slots_in_use_idle')} of {idle.get('slots_total')} (idle SCR sessions' "
               f"private K/V); after /flush_cache {idle.get('slots_in_use_after_flush')} in use, "
               f"{idle.get('slots_free_after_flush')} free (leaked: "
@@ -332,12 +342,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         rss = {"start": rss_mb(server.process.pid)}
         tally, sampled = asyncio.run(run_traffic(server.url, server.process.pid, traces, args))
         rss.update(sampled)
-        idle = idle_report(server.url)
         rss["end"] = rss_mb(server.process.pid)
+        idle = idle_report(server.url)
+        rss["after_flush"] = rss_mb(server.process.pid)
         rss.setdefault("warm", rss["start"])
         rss.setdefault("warm_requests", 0)
-        after_warmup = max(1, tally.total - int(rss["warm_requests"]))
-        rss["growth_mb_per_1k"] = (rss["end"] - rss["warm"]) / after_warmup * 1000
+        after_warmup = tally.total - int(rss["warm_requests"])
+        rss["requests_after_warmup"] = after_warmup
+        if after_warmup >= MIN_REQUESTS_FOR_GROWTH:
+            rss["growth_mb_per_1k"] = (rss["end"] - rss["warm"]) / after_warmup * 1000
         health = httpx.get(f"{server.url}/health", timeout=30).status_code
         alive = server.alive()
     finally:
