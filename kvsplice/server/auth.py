@@ -9,8 +9,9 @@ As in vLLM (`--api-key`, VLLM_API_KEY, `Authorization: Bearer`), with two differ
 serves the model or changes its state needs the key, not only /v1/* (kvsplice also serves /generate,
 /flush_cache and /get_server_info), and several keys may be given. Each key is a tenant: its requests
 carry `owner = owner_id(key)` to the engine, whose cache namespace is (owner, cache_salt), so two keys
-never share a prefix, a session or relocated K/V. Keys are compared in constant time (hmac.compare_digest)
-against every configured key, so the time taken says nothing about which key nearly matched.
+never share a prefix, a session or relocated K/V. The presented key's SHA-256 is compared in constant
+time (hmac.compare_digest) with every configured key's, so the time taken says nothing about which key
+nearly matched, nor about the keys' lengths.
 
 `owner_id` is a stable, non-secret name of a key (a prefix of its SHA-256), safe to keep in memory and
 logs; it is not a way back to the key as long as keys are long random strings.
@@ -42,7 +43,12 @@ OWNER_ID_HEX_CHARS = 16
 
 def owner_id(key: str) -> str:
     """The tenant id of an API key: the first 16 hex characters of its SHA-256."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:OWNER_ID_HEX_CHARS]
+    return _digest(key).hex()[:OWNER_ID_HEX_CHARS]
+
+
+def _digest(key: str) -> bytes:
+    """SHA-256 of the key's UTF-8 bytes (surrogates, which os.environ uses for undecodable bytes, pass)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def parse_key_list(raw: str) -> tuple[str, ...]:
@@ -79,10 +85,10 @@ class ApiKeys:
         scheme, _, presented = authorization.partition(" ")
         if scheme.lower() != "bearer":
             return None
-        presented_bytes = presented.strip().encode("utf-8")
+        presented_digest = _digest(presented.strip())
         match = None
         for key in self.keys:
-            if hmac.compare_digest(presented_bytes, key.encode("utf-8")):
+            if hmac.compare_digest(presented_digest, _digest(key)):
                 match = key
         return owner_id(match) if match is not None else None
 
