@@ -46,6 +46,13 @@ BENCHMARKS = (
               "python benchmarks/serve_load.py --out runs/serve_load.json",
               "32 concurrent streaming chat clients, 4 turns each, against `kvsplice serve` on the default model: "
               "errors (must be 0), throughput, TTFT p50/p99, and the share of prompt tokens served from cache."),
+    Benchmark("soak", "Soak: hostile and ordinary traffic against one server", "reliability",
+              "python benchmarks/soak.py --duration 150 --out runs/soak.json",
+              "One `kvsplice serve` (default model, two API keys) under mixed traffic for a fixed time: agent turns "
+              "with edits, streams dropped mid-way, clients that give up, hostile requests. Requests by action and "
+              "status, 5xx (must be 0), RSS and its growth per 1,000 requests, slots in use when idle (SCR "
+              "sessions' private K/V) and after /flush_cache (must be 0). The full run is `--duration 900` (the "
+              "default)."),
     Benchmark("scr_plan_speed", "SCR planning cost: match + diff + plan", "SCR",
               "python benchmarks/scr_plan_speed.py",
               "The pure-Python SCR front half (session match over 16 sessions sharing a system prompt, token diff, "
