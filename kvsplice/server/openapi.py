@@ -4,7 +4,8 @@ Handlers parse their JSON bodies themselves (kvsplice.server.body: size, depth a
 first, then the pydantic model, in a worker thread), so FastAPI does not see the body models; each
 route declares its body with `json_request_body(Model)` and its error statuses with
 `error_responses(...)`, and `install_openapi` adds the body models' schemas to the document's
-components. No route declares FastAPI's 422: validation errors are answered 400.
+components. No route declares FastAPI's 422 (it adds one for path parameters; install_openapi
+replaces it): validation errors are answered 400.
 """
 
 from __future__ import annotations
@@ -47,7 +48,23 @@ def install_openapi(app: FastAPI, body_models: Iterable[type[BaseModel]]) -> Non
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in definitions.get("$defs", {}).items():
                 schemas.setdefault(name, schema)
+            _no_422(document)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # FastAPI's documented way to customise the document
+
+
+def _no_422(document: dict[str, Any]) -> None:
+    """FastAPI declares 422 for every route with parameters; the server answers validation errors 400:
+    declare that instead (with the error body)."""
+    error = error_responses(400)[400]
+    error = {"description": error["description"],
+             "content": {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(model="ErrorResponse")}}}}
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", error)
+    document.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+    document.get("components", {}).get("schemas", {}).pop("ValidationError", None)

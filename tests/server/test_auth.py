@@ -74,16 +74,20 @@ def keyed_server(tiny_model_dir):
 
 
 def _routes(app) -> list[tuple[str, str]]:
-    """(method, path) of every API route of the app, including the ones FastAPI adds (OpenAPI, docs)."""
-    return sorted({(method, route.path) for route in app.routes if hasattr(route, "methods")
-                   for method in route.methods})
+    """(method, path) of every route of the app: the app's own (including the ones FastAPI adds: OpenAPI,
+    docs) and those of included routers, which the OpenAPI document lists (a path parameter becomes "x")."""
+    own = {(method, route.path) for route in app.routes if hasattr(route, "methods") for method in route.methods}
+    documented = {(method.upper(), path.replace("{model_id}", "x")) for path, methods in app.openapi()["paths"].items()
+                  for method in methods}
+    return sorted(own | documented)
 
 
 def test_every_route_but_the_open_ones_needs_a_key(keyed_server):
     routes = _routes(keyed_server.app)
     guarded = [(method, path) for method, path in routes if path not in OPEN_PATHS]
     assert ("POST", "/v1/chat/completions") in guarded and ("POST", "/flush_cache") in guarded
-    assert {path for _, path in guarded} >= {"/v1/models", "/generate", "/get_server_info", "/get_model_info"}
+    assert {path for _, path in guarded} >= {"/v1/models", "/v1/models/x", "/generate", "/get_server_info",
+                                             "/get_model_info", "/tokenize", "/detokenize", "/version"}
     for method, path in guarded + [("GET", "/no/such/route"), ("GET", "/flush_cache")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY_A}):
             response = httpx.request(method, f"{keyed_server.url}{path}", headers=headers, timeout=10)

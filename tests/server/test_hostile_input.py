@@ -107,6 +107,12 @@ CORPUS = [
     ("/generate text longer than the context", GENERATE, {"text": "hello " * 3000}, 400, "text"),
     ("/generate input_ids longer than the context", GENERATE, {"input_ids": [5] * 3000}, 400, "input_ids"),
     ("unknown model", CHAT, _chat(model="x" * 10_000), 404, "model"),
+    ("lone surrogate in /tokenize", "/tokenize", _raw('{"prompt": "\\ud800"}'), 400, "prompt"),
+    ("lone surrogate in /tokenize messages", "/tokenize",
+     _raw('{"messages": [{"role": "user", "content": "\\udbff"}]}'), 400, "messages.0.content"),
+    ("10 MB /tokenize prompt", "/tokenize", {"prompt": "word " * 2_000_000}, 413, None),
+    ("/detokenize of a negative id", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize of a string", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("valid surrogate pair", CHAT, _raw('{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], '
                                         '"max_tokens": 1}'), 200, None),
 ]
