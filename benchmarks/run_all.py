@@ -57,6 +57,12 @@ BENCHMARKS = (
               "python benchmarks/scr_plan_speed.py",
               "The pure-Python SCR front half (session match over 16 sessions sharing a system prompt, token diff, "
               "span plan) for 8K, 32K and 128K-token sequences with a realistic edit."),
+    Benchmark("match_cost", "Session matching at scale: 1,000 sessions, 8K and 128K prompts", "session matching",
+              "python benchmarks/match_cost.py",
+              "Header-free session matching with 1,000 tracked sessions sharing a 2K-token system prompt: match "
+              "(fingerprints, index lookup, diff verification) + plan for an edited 8K and 128K-token conversation, "
+              "against the prefill of 8K tokens on the default model in the same script; index memory per "
+              "session. Goals: under 50 ms at 128K on 2 cores, under 5% of the prefill at 8K."),
     Benchmark("scr_edit", "SCR on edited turns: computed tokens and TTFT", "SCR",
               "python benchmarks/scr_edit.py --out runs/scr_edit.json",
               "Multi-turn edited conversations on the default model, same server run: prompt tokens computed per "
@@ -72,6 +78,14 @@ BENCHMARKS = (
               "The same synthetic context-editing agent trace replayed against two servers (SCR on, SCR off) on the "
               "default model; `kvsplice report RUN_ON --vs RUN_OFF`: prompt tokens by compute type for all and for "
               "edited turns, prefilled tokens, prefill FLOPs, TTFT."),
+    Benchmark("scr_replay_early", "Finding conversations without session ids: edits before token 1024",
+              "session matching",
+              "python benchmarks/scr_replay.py --edits early --runs ids,auto --conversations 10 --max-turns 8 "
+              "--out runs/scr_replay_early",
+              "The early-edit agent trace (every turn past 1,024 tokens edits its start: the system prompt's first "
+              "sentence, a moved message, the notes, reasoning blocks, the oldest result, two edits) replayed with "
+              "session ids and without: share of edited turns whose session was matched (goal 100%) and prefilled "
+              "tokens of both (goal: equal), with the fallback reasons of the misses."),
     Benchmark("hit_rate_sweep", "The hit rate is the workload", "report",
               "python benchmarks/hit_rate_sweep.py --out runs/sweep",
               "Concurrent agent conversations against one fixed KV pool: prefix hit rate, relocated share and TTFT "
