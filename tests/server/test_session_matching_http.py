@@ -7,6 +7,7 @@ the misses by reason."""
 from __future__ import annotations
 
 import random
+import re
 
 import httpx
 import pytest
@@ -59,7 +60,8 @@ def test_an_edit_at_the_start_finds_its_conversation_without_any_id(scr_server):
     first = chat(scr_server, conversation("the json module"), cache_salt="no-ids")
     assert (first["session"], first["fallback"]) == ("new", "no_candidate")
     other = chat(scr_server, conversation("the heapq module"), cache_salt="no-ids")
-    assert (other["session"], other["fallback"]) == ("new", "no_candidate")  # shares only the system prompt
+    # shares only the system prompt: too little evidence, or too little kept once verified
+    assert other["session"] == "new" and other["fallback"] in ("no_candidate", "low_overlap")
     # the system prompt's first sentence changes (token 0 onwards) and every reasoning block is stripped
     edited = chat(scr_server, conversation("the json module", day=2, stripped=True), cache_salt="no-ids")
     assert edited["session"] == "matched" and edited["fallback"] is None
@@ -75,5 +77,6 @@ def test_a_known_routing_key_gives_another_conversation_nothing(scr_server):
     victim = chat(scr_server, conversation("the csv module", day=5, stripped=True), headers=key)
     assert victim["session"] == "matched" and victim["relocated_tokens"] > 100
     metrics = httpx.get(f"{scr_server.url}/metrics", timeout=10).text  # misses are counted by reason
-    assert 'kvsplice_scr_fallbacks_total{reason="session_mismatch"} 1.0' in metrics
-    assert 'kvsplice_scr_fallbacks_total{reason="new_session"}' in metrics
+    counted = {match.group(1): float(match.group(2)) for match in
+               re.finditer(r'^kvsplice_scr_fallbacks_total\{[^}]*reason="([a-z_]+)"[^}]*\} (\S+)$', metrics, re.M)}
+    assert counted["session_mismatch"] == 1.0 and counted["new_session"] >= 1.0
