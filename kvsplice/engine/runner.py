@@ -15,6 +15,7 @@ from kvsplice.cache.state_pool import StatePool
 from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.engine.request import Req
 from kvsplice.engine.scheduler import Chunk
+from kvsplice.layers.logits_processors import accept_tokens, process_logits
 from kvsplice.layers.sampler import TokenLogprob, logprobs_of, sample
 
 
@@ -95,8 +96,12 @@ class ModelRunner:
         tokens, token_lps = [], []
         if sampling:
             sample_rows = [rows[c.offsets[-1]] for c, rows in sampling]
-            tokens, token_lps = sample(logits[sample_rows], [c.req.params for c, _ in sampling],
-                                       [c.req.generator for c, _ in sampling])
+            raw = logits[sample_rows]
+            # grammar masks, penalties, logit_bias, min_tokens: one batched pass, raw kept for logprobs
+            logits_states = [c.req.logits_state for c, _ in sampling]
+            tokens, token_lps = sample(process_logits(raw, logits_states), [c.req.params for c, _ in sampling],
+                                       [c.req.generator for c, _ in sampling], raw_logits=raw)
+            accept_tokens(logits_states, tokens)
         results, k = [], 0
         for chunk, rows in zip(chunks, rows_per_chunk):
             prompt_lps = self._prompt_logprobs(chunk, logits, rows)
