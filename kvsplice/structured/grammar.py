@@ -11,10 +11,13 @@ the server compiles in a worker thread before a request reaches the engine (a ba
 JSON is generated compactly (`{"a": 1, "b": [2, 3]}`, no free whitespace): a weak model cannot then
 spend its tokens on whitespace, and tool calls look as chat templates render them (`tojson`).
 
-One repair of xgrammar's output: in xgrammar 0.2.x a string with `minLength`/`maxLength` uses the
-character class `[^"\\\\\\r\\n]`, which admits raw control characters (U+0000..U+001F) that JSON forbids
-inside strings and strict parsers (Python's json, JavaScript's JSON.parse) reject. `_strict_strings`
-narrows it to `[^\\0-\\x1f"\\\\]`; a test samples bounded strings at random and parses them.
+Two repairs of xgrammar's string rules (xgrammar 0.2.x), applied to the EBNF it generates:
+a string with `minLength`/`maxLength` uses the character class `[^"\\\r\n]`, which admits raw
+control characters (U+0000..U+001F) that JSON forbids inside strings, and every string class admits
+UTF-16 surrogates (U+D800..U+DFFF), whose UTF-8 bytes are not valid UTF-8 (they decode to U+FFFD,
+three per surrogate, breaking maxLength). Strict parsers (Python's json, JavaScript's JSON.parse)
+reject the first, every decoder the second. `_strict_strings` narrows both classes to
+`[^\0-\x1f"\\\ud800-\udfff]`; tests sample strings at random through the masks and parse them.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from kvsplice.structured.spec import StructuredSpec
 from kvsplice.tokenizer import Tokenizer
 
 DEFAULT_CACHE_ENTRIES = 256
-_BOUNDED_STRING_CLASS = '[^\\"\\\\\\r\\n]'
-_STRICT_STRING_CLASS = '[^\\0-\\x1f\\"\\\\]'
+# the classes as xgrammar prints them -> the strict class (see the module docstring)
+_STRING_CLASS_REPAIRS = {r'[^\"\\\r\n]': r'[^\0-\x1f\"\\\ud800-\udfff]',
+                         r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\\ud800-\udfff]'}
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -45,8 +49,11 @@ def load_xgrammar():
 
 
 def _strict_strings(ebnf: str) -> str:
-    """`ebnf` with bounded JSON strings that exclude raw control characters (see the module docstring)."""
-    return ebnf.replace(_BOUNDED_STRING_CLASS, _STRICT_STRING_CLASS)
+    """`ebnf` with JSON string classes that exclude control characters and surrogates (see the
+    module docstring)."""
+    for loose, strict in _STRING_CLASS_REPAIRS.items():
+        ebnf = ebnf.replace(loose, strict)
+    return ebnf
 
 
 def schema_ebnf(schema: Any, strict: bool = True) -> str:

@@ -55,17 +55,21 @@ BOUNDED = {"type": "object", "properties": {
 
 
 def test_json_schema_walks_always_parse_and_validate(cache):
-    """Random tokens through the mask: strict JSON (no raw control characters, which xgrammar's
-    bounded strings would admit unrepaired) that validates against the schema."""
+    """Random tokens through the mask: strict JSON (no raw control characters nor surrogates, which
+    xgrammar's string classes admit unrepaired) that validates against the schema."""
     spec = StructuredSpec.json_schema(BOUNDED)
-    for seed in range(25):
+    for seed in range(40):
         text = random_walk(cache, spec, seed)
+        assert "\ufffd" not in text      # no invalid UTF-8 (a surrogate's bytes)
         jsonschema.validate(json.loads(text), BOUNDED)
 
 
-def test_the_control_character_repair_is_applied():
-    assert "[^\\0-\\x1f\\\"\\\\]" in schema_ebnf({"type": "string", "maxLength": 3})
-    assert "[^\\\"\\\\\\r\\n]" not in schema_ebnf({"type": "string", "maxLength": 3})
+def test_the_string_class_repair_is_applied():
+    """Bounded and unbounded strings exclude control characters and surrogates."""
+    ebnf = schema_ebnf({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3},
+                                                         "b": {"type": "string"}}})
+    assert ebnf.count(r"[^\0-\x1f\"\\\ud800-\udfff]") == 2
+    assert r"[^\"\\\r\n]" not in ebnf and r"\r\n]" not in ebnf
 
 
 def test_json_object_regex_choice_and_grammar_walks(cache):
