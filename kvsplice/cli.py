@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replica-name", default=None, help="name put in every request log line")
     serve.add_argument("--reasoning-parser", action="store_true",
                        help="move <think>...</think> blocks of replies into reasoning_content")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="tool-call syntax of the model, by vLLM's names: hermes | llama3_json | mistral "
+                            "(default: detected from the chat template; hermes when it has none)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) used instead of the model's")
     serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     generate = sub.add_parser("generate", help="print one completion")
     add_engine_args(generate)
@@ -132,8 +137,20 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, os.environ)
     names = check_served_names(args.served_model_name) if args.served_model_name is not None else ()
     settings = ServerSettings(model_path=args.model, served_model_names=names, replica_name=args.replica_name,
-                              reasoning_parser=args.reasoning_parser, host=args.host, port=args.port)
+                              reasoning_parser=args.reasoning_parser, host=args.host, port=args.port,
+                              **_chat_settings(args))
     return serve(config, settings, log_level=args.log_level)
+
+
+def _chat_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """--tool-call-parser and --chat-template, checked before the model loads (ValueError if bad)."""
+    from kvsplice.server.chat import load_chat_template
+    from kvsplice.server.tool_parsers import get_parser
+
+    if args.tool_call_parser is not None:
+        get_parser(args.tool_call_parser)
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    return {"tool_call_parser": args.tool_call_parser, "chat_template": template}
 
 
 def _generate(args: argparse.Namespace) -> int:
