@@ -5,7 +5,8 @@ whole or as stream deltas.
                ─(tool plan: parse calls)─> content (None when only calls) + tool_calls
 
 A reply with calls that stopped by itself finishes with "tool_calls" (OpenAI); one cut by max_tokens
-keeps "length". The streamed deltas of a reply add up to its whole message (ToolCallStream).
+keeps "length" (a forced reply cut inside a later call keeps its complete calls). The streamed deltas
+of a reply add up to its whole message (ToolCallStream).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class ReplyFormat:
             message.update(content=split.content, reasoning_content=split.reasoning_content)
         if not self.tools.parse:
             return message, reason
-        parsed = self.parser.parse(message["content"] or "")
+        parsed = self.parser.parse(message["content"] or "", complete_only=self.tools.forced is not None)
         calls = parsed.calls[:self.tools.max_calls]
         if calls:
             message["content"] = parsed.content

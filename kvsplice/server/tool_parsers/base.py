@@ -90,9 +90,11 @@ class ToolParser:
         """OpenAI `tool_calls` entries as this family's text (for templates that drop tool_calls)."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> ParsedReply:
+    def parse(self, text: str, complete_only: bool = False) -> ParsedReply:
         """The final reply: content (None if blank) and complete, valid calls; the whole text as
-        content when any call is malformed or unfinished."""
+        content when any call is malformed or unfinished. `complete_only` (grammar-forced replies,
+        which can only be cut short, never malformed): keep the complete calls before an unfinished
+        one instead."""
         try:
             partial = self.parse_partial(text, final=True)
         except MalformedJSON:
@@ -100,6 +102,8 @@ class ToolParser:
         calls = []
         for call in partial.calls:
             if partial.malformed or call.end is None or call.name is None or not _is_object(call.arguments):
+                if complete_only and calls:
+                    break
                 return ParsedReply(text if text.strip() else None, ())
             calls.append(ParsedCall(call.name, call.arguments))
         content = partial.content if partial.content.strip() else None
