@@ -230,3 +230,31 @@ def test_openai_client_surfaces_the_400(client):
     with pytest.raises(openai.BadRequestError, match="not among"):
         client.chat.completions.create(model=model_id(client), messages=USER, tools=TOOLS, max_tokens=4,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_chat_template_and_tool_call_parser_settings(tiny_model_dir):
+    """--chat-template (Llama 3.1's) and --tool-call-parser llama3_json: the forced call is written in
+    Llama's JSON syntax and read back as tool_calls, the prompt is rendered by that template."""
+    from kvsplice.config import EngineConfig
+    from kvsplice.server.api import ServerSettings
+    from kvsplice.server.launch import ServerThread, build_app
+    from kvsplice.server.protocol import ChatMessage
+    from kvsplice.server.request_log import RequestLog
+    from tests.server.chat_templates import LLAMA31
+    from tests.server.conftest import LineSink
+
+    settings = ServerSettings(model_path=str(tiny_model_dir), chat_template=LLAMA31, tool_call_parser="llama3_json")
+    app = build_app(EngineConfig(model=str(tiny_model_dir), num_slots=4096), settings, RequestLog(LineSink()))
+    assert app.state.kvsplice.chat.parser.name == "llama3_json"
+    assert "Cutting Knowledge Date" in app.state.kvsplice.chat.render([ChatMessage(**USER[0])], TOOLS)
+    thread = ServerThread(app)
+    thread.start()
+    try:
+        body = {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}},
+                "max_tokens": 200, "seed": 1}
+        reply = httpx.post(f"{thread.url}/v1/chat/completions", json=body, timeout=60).json()
+        [call] = reply["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == "search"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SEARCH)
+    finally:
+        thread.stop()
