@@ -14,10 +14,14 @@ MalformedJSON: the text can never become the expected JSON (e.g. `{"name" 5`).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\n\r"
 ARGUMENT_KEYS = ("arguments", "parameters")
+# regexes keep the scans at C speed: a streamed reply is re-read after every token
+_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*"', re.S)   # the rest of a string, through its closing quote
+_STRUCTURAL = re.compile(r'[\[\]{}"]')                # the next character that matters inside a container
 
 
 class MalformedJSON(ValueError):
@@ -32,24 +36,19 @@ def skip_whitespace(text: str, offset: int) -> int:
 
 def _scan_string(text: str, start: int) -> int | None:
     """Offset past the string whose opening quote is at `start`, or None if it is unterminated."""
-    offset = start + 1
-    while offset < len(text):
-        char = text[offset]
-        if char == "\\":
-            offset += 2
-            continue
-        if char == '"':
-            return offset + 1
-        offset += 1
-    return None
+    match = _STRING_REST.match(text, start + 1)
+    return match.end() if match else None
 
 
 def _scan_bracketed(text: str, start: int) -> int | None:
     """Offset past the object / array opening at `start`, or None if it is not closed yet."""
     closers = []
     offset = start
-    while offset < len(text):
-        char = text[offset]
+    while True:
+        found = _STRUCTURAL.search(text, offset)
+        if found is None:
+            return None
+        offset, char = found.start(), found.group()
         if char == '"':
             end = _scan_string(text, offset)
             if end is None:
@@ -58,13 +57,11 @@ def _scan_bracketed(text: str, start: int) -> int | None:
             continue
         if char in "{[":
             closers.append("}" if char == "{" else "]")
-        elif char in "}]":
-            if not closers or closers.pop() != char:
-                raise MalformedJSON(f"unbalanced {char!r} at offset {offset}")
-            if not closers:
-                return offset + 1
+        elif not closers or closers.pop() != char:
+            raise MalformedJSON(f"unbalanced {char!r} at offset {offset}")
+        elif not closers:
+            return offset + 1
         offset += 1
-    return None
 
 
 def scan_value(text: str, start: int) -> int | None:
