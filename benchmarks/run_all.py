@@ -82,6 +82,18 @@ BENCHMARKS = (
               "The built-in edit cases on the trained hybrid: fork / checkpoint / none state modes and prefix "
               "caching alone (scr off, exact), with KL, top-1 and greedy agreement and the tokens computed per "
               "edited turn."),
+    Benchmark("structured_outputs", "Structured outputs: the cost of constrained decoding, and validity", "agent API",
+              "python benchmarks/structured_outputs.py --batch 1 8 --requests 50 --repeats 1 "
+              "--out runs/structured_outputs.json",
+              "Grammar-constrained decoding (xgrammar) on the default model: milliseconds per generated token with "
+              "a json_schema constraint against the same prompts unconstrained (same lengths), the grammar mask's "
+              "time per step against the sampler's, and the share of 50 varied strict json_schema replies that "
+              "parse and validate (goal: 100%)."),
+    Benchmark("agent_loop", "An agent loop through the openai client and LangChain", "agent API",
+              "python examples/agent_loop.py",
+              "Two tool-calling turns (tool_choice required) and a final answer after the agent drops its first "
+              "tool result, on the default model, through the openai client and through LangChain's ChatOpenAI: "
+              "where each turn's prompt K/V came from. The edited turn must relocate tokens."),
 )
 
 

@@ -1,7 +1,8 @@
 """Structured outputs on the default model: the per-token cost of grammar-constrained decoding against
 unconstrained decoding, and how often strict json_schema replies validate.
 
-    python benchmarks/structured_outputs.py [--model DIR] [--batch 1 8] [--requests 50] [--out FILE]
+    python benchmarks/structured_outputs.py [--model DIR] [--batch 1 8] [--requests 50] [--repeats 2]
+                                            [--decode-tokens 96] [--out FILE]
 
 1. mask cost: per decode step, filling the grammar bitmask of B rows (xgrammar) and applying it to the
    logits, against the sampler's own time on the same [B, vocab] logits (the baseline a step pays
@@ -103,10 +104,10 @@ def mask_cost(llm: LLM, batch: int, replies: list[list[int]], repeats: int = 3) 
             "sampler_us_per_step": best_sample * 1e6, "mask_over_sampler": best_mask / best_sample}
 
 
-def decode_cost(llm: LLM, batch: int, repeats: int) -> tuple[dict, list[list[int]]]:
+def decode_cost(llm: LLM, batch: int, repeats: int, max_tokens: int) -> tuple[dict, list[list[int]]]:
     """ms per generated token, constrained vs unconstrained to the same lengths."""
     prompts = [chat_prompt(llm, i) for i in range(batch)]
-    constrained_params = [SamplingParams(max_tokens=160, temperature=0.0,
+    constrained_params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                          structured=StructuredSpec.json_schema(SCHEMAS[i % len(SCHEMAS)]))
                           for i in range(batch)]
     best_c, best_u, replies = float("inf"), float("inf"), []
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=96, help="max tokens of a decode-cost reply")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -163,7 +165,7 @@ def main() -> None:
               "decode": [], "mask": []}
     print(f"model {llm.engine.name}, CPU {result['cpu']}, {result['threads']} threads")
     for batch in args.batch:
-        decode, replies = decode_cost(llm, batch, args.repeats)
+        decode, replies = decode_cost(llm, batch, args.repeats, args.decode_tokens)
         result["decode"].append(decode)
         print(f"decode  B={batch}: constrained {decode['constrained_ms_per_token']:.1f} ms/token, unconstrained "
               f"{decode['unconstrained_ms_per_token']:.1f} ms/token, ratio {decode['ratio']:.3f} ({decode['tokens']} tokens)")

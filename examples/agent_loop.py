@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvsplice.config import EngineConfig
         from kvsplice.server.api import ServerSettings
         from kvsplice.server.launch import ServerThread, build_app
+        from kvsplice.server.request_log import RequestLog
 
-        server = ServerThread(build_app(EngineConfig(model=args.model), ServerSettings(model_path=args.model)))
+        app = build_app(EngineConfig(model=args.model), ServerSettings(model_path=args.model), RequestLog(sys.stderr))
+        server = ServerThread(app)
         server.start(timeout_s=600)
         args.base_url = f"{server.url}/v1"
     try:

@@ -90,9 +90,12 @@ def load_chat_template(value: str) -> str:
     `{%` or `{{`). ValueError when it is neither, or is not valid Jinja."""
     import jinja2
 
-    path = Path(value).expanduser()
-    if path.is_file():
-        source = path.read_text()
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except (OSError, ValueError):  # a template too long, or with a NUL byte, to be a path
+        is_file = False
+    if is_file:
+        source = Path(value).expanduser().read_text()
     elif "{%" in value or "{{" in value:
         source = value
     else:
