@@ -421,7 +421,7 @@ async def _chat(state: ServerState, request: Request, body: p.ChatCompletionRequ
     tools, constraint, constraint_param = _reply_plan(state, body)
     await _compile(state, constraint, constraint_param)
     try:
-        prompt_ids = state.chat.prompt_ids(body.messages, tools.template_tools)
+        prompt_ids = state.chat.prompt_ids(body.messages, tools.template_tools, body.chat_template_kwargs)
     except ChatTemplateError as error:
         raise ApiError(400, str(error), param=error.param) from error
     max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens)

@@ -129,43 +129,47 @@ class ChatRenderer:
         self.renders_tools = "tools" in (self.source or "")
         self.renders_tool_calls = "tool_calls" in (self.source or "")
 
-    def prompt_ids(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    def prompt_ids(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None,
+                   template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """Token ids of the chat with the assistant's turn opened (the template adds any BOS)."""
-        return self.tokenizer.encode(self.render(messages, tools), add_special_tokens=False)
+        return self.tokenizer.encode(self.render(messages, tools, template_kwargs), add_special_tokens=False)
 
-    def render(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None) -> str:
-        """The prompt text. Raises ValueError without a chat template, ChatTemplateError when the
+    def render(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None,
+               template_kwargs: Optional[dict[str, Any]] = None) -> str:
+        """The prompt text; `template_kwargs` are extra template variables (e.g. Qwen 3's
+        enable_thinking). Raises ValueError without a chat template, ChatTemplateError when the
         template rejects the messages."""
         if self.source is None or not hasattr(self.tokenizer.backend, "apply_chat_template"):
             raise ValueError("this model has no chat template; use the completions endpoint with a raw prompt, "
                              "or give one with --chat-template")
         dicts, origins = self._for_template(message_dicts(messages), tools)
         template_tools = tools if (tools and self.renders_tools) else None
+        extra = dict(template_kwargs or {})
         try:
-            return self._apply(dicts, template_tools)
+            return self._apply(dicts, template_tools, extra)
         except ChatTemplateError as first_error:
             if not any(d["role"] == "tool" for d in dicts):
-                raise self._blame(dicts, origins, template_tools, first_error) from None
+                raise self._blame(dicts, origins, template_tools, extra, first_error) from None
         dicts = [self._tool_as_user(d) if d["role"] == "tool" else d for d in dicts]
         try:
-            return self._apply(dicts, template_tools)
+            return self._apply(dicts, template_tools, extra)
         except ChatTemplateError as error:
-            raise self._blame(dicts, origins, template_tools, error) from None
+            raise self._blame(dicts, origins, template_tools, extra, error) from None
 
-    def _apply(self, dicts: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]]) -> str:
+    def _apply(self, dicts: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]], extra: dict[str, Any]) -> str:
         try:
             return self.tokenizer.backend.apply_chat_template(
-                dicts, tools=tools, chat_template=self.template, add_generation_prompt=True, tokenize=False)
+                dicts, tools=tools, chat_template=self.template, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as error:  # jinja2 raises TemplateError subclasses and plain exceptions
             raise ChatTemplateError(f"the chat template rejected the messages: {error}") from error
 
-    def _blame(self, dicts, origins, tools, error: ChatTemplateError) -> ChatTemplateError:
+    def _blame(self, dicts, origins, tools, extra, error: ChatTemplateError) -> ChatTemplateError:
         """`error`, naming the first message whose addition makes the template fail the same way
         (a shorter chat may fail for another reason: a template that wants a user turn after the
         system one). Unchanged when no client message is to blame."""
         for count in range(1, len(dicts) + 1):
             try:
-                self._apply(dicts[:count], tools)
+                self._apply(dicts[:count], tools, extra)
             except ChatTemplateError as prefix_error:
                 if str(prefix_error) != str(error) or origins[count - 1] is None:
                     continue

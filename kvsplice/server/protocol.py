@@ -17,11 +17,15 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from kvsplice.structured.spec import check_schema
+from kvsplice.structured.spec import canonical_json, check_schema, nesting_depth
 
 MAX_N = 16              # choices per request (n, best_of)
 MAX_TOOLS = 128         # OpenAI's limit on `tools`
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function and json_schema names
+MAX_TEMPLATE_KWARGS = 16   # chat_template_kwargs entries
+# variables a chat template gets from the server itself (chat_template_kwargs may not replace them)
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template",
+                                     "tokenize", "continue_final_message", "return_dict"})
 
 
 class _Request(BaseModel):
@@ -243,6 +247,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     # accepted and ignored: they change nothing about the answer
     metadata: Optional[dict[str, str]] = None
     safety_identifier: Optional[str] = None
@@ -275,6 +280,18 @@ class ChatCompletionRequest(_SamplingFields):
         if tools is not None and len(tools) > MAX_TOOLS:
             raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
         return tools
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if kwargs is None:
+            return kwargs
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here (the server sets them)")
+        if len(kwargs) > MAX_TEMPLATE_KWARGS or nesting_depth(kwargs) > 4 or len(canonical_json(kwargs)) > 4096:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} variables, 4 levels deep, 4 KiB as JSON")
+        return kwargs
 
     @field_validator("audio", "functions", "function_call", "prediction", "reasoning_effort", "verbosity",
                      "web_search_options", "moderation")

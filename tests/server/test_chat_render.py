@@ -117,3 +117,11 @@ def test_load_chat_template(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         load_chat_template("{% for m in messages %}")
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    renderer = ChatRenderer(tokenizer, template)
+    assert renderer.render(messages(AGENT_TURN[1:2]), None, {"enable_thinking": False}).endswith("<no-think>")
+    assert not renderer.render(messages(AGENT_TURN[1:2])).endswith("<no-think>")

@@ -40,6 +40,7 @@ ACCEPTED = {
     "guided_choice": {"guided_choice": ["x", "y"]}, "guided_grammar": {"guided_grammar": 'root ::= "a"'},
     "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"},
     "structured_outputs": {"structured_outputs": {"regex": "b+"}},
+    "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
     "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "safety_identifier": {"safety_identifier": "s"},
     "prompt_cache_key": {"prompt_cache_key": "k"}, "prompt_cache_retention": {"prompt_cache_retention": "24h"},
     "prompt_cache_options": {"prompt_cache_options": {}},
