@@ -12,8 +12,8 @@ with it (kvsplice.structured.matcher). Kinds and their `value`:
     tool_calls    canonical JSON {"syntax": ToolCallSyntax fields, "functions": [[name, schema]], "parallel"}
 
 Sizes are bounded here, where the spec is built (ValueError naming the field): a value of at most
-MAX_SPEC_CHARS characters, a schema nested at most MAX_SCHEMA_DEPTH levels, at most MAX_CHOICES
-choices.
+MAX_SPEC_CHARS characters, a schema nested at most MAX_SCHEMA_DEPTH levels whose length and count
+bounds are at most MAX_SCHEMA_REPEAT, at most MAX_CHOICES choices.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from typing import Any, Literal
 MAX_SPEC_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_CHOICES = 256
+# Bounds a schema may set on lengths and counts: a grammar grows with them (compiling a string of
+# maxLength 100,000 takes seconds).
+MAX_SCHEMA_REPEAT = 10_000
+REPEAT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 SpecKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
@@ -33,6 +37,18 @@ KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "gram
 def canonical_json(value: Any) -> str:
     """`value` as compact JSON with sorted keys: equal values give equal strings (the cache key)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _walk(value: Any):
+    """Every dict inside `value` (itself included), without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def nesting_depth(value: Any) -> int:
@@ -60,6 +76,11 @@ def check_schema(schema: Any, field: str) -> None:
         raise ValueError(f"{field}: the schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
     if len(canonical_json(schema)) > MAX_SPEC_CHARS:
         raise ValueError(f"{field}: the schema is longer than {MAX_SPEC_CHARS} characters")
+    for node in _walk(schema):
+        for keyword in REPEAT_KEYWORDS:
+            bound = node.get(keyword)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > MAX_SCHEMA_REPEAT:
+                raise ValueError(f"{field}: {keyword} {bound} is above this server's limit of {MAX_SCHEMA_REPEAT}")
 
 
 @dataclass(frozen=True)

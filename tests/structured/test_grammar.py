@@ -128,6 +128,8 @@ def test_spec_limits_name_the_field():
         StructuredSpec.json_schema(deep)
     with pytest.raises(ValueError, match="guided_choice"):
         StructuredSpec.choice([])
+    with pytest.raises(ValueError, match="maxLength 100000 is above this server's limit"):
+        StructuredSpec.json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 100000}}})
     with pytest.raises(ValueError, match="a JSON schema must be an object"):
         StructuredSpec.json_schema([1, 2])
 
