@@ -44,7 +44,7 @@ def fill_bitmask(states: list[GrammarState], vocab_size: int) -> Tensor:
     xgrammar call (which spreads the rows over its threads)."""
     xgr = load_xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
-    xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
+    xgr.BatchGrammarMatcher("auto").batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
     return bitmask
 
 
