@@ -83,7 +83,7 @@ BENCHMARKS = (
               "caching alone (scr off, exact), with KL, top-1 and greedy agreement and the tokens computed per "
               "edited turn."),
     Benchmark("structured_outputs", "Structured outputs: the cost of constrained decoding, and validity", "agent API",
-              "python benchmarks/structured_outputs.py --batch 1 8 --requests 50 --repeats 1 "
+              "python benchmarks/structured_outputs.py --batch 8 --decode-tokens 48 --requests 50 --repeats 2 "
               "--out runs/structured_outputs.json",
               "Grammar-constrained decoding (xgrammar) on the default model: milliseconds per generated token with "
               "a json_schema constraint against the same prompts unconstrained (same lengths), the grammar mask's "
