@@ -55,6 +55,14 @@ SCHEMAS = [
         "required": ["n", "action"], "additionalProperties": False}}},
      "required": ["steps"], "additionalProperties": False},
 ]
+# one valid reply per schema, as the grammar writes JSON (compact), for --mask-only
+EXAMPLES = [
+    '{"answer": "yes", "confidence": 87}',
+    '{"city": "Paris", "temperatures": [18.5, 21, 19.25, 17]}',
+    '{"title": "The Long Way Home", "year": 1999, "genres": ["drama", "road movie"]}',
+    '{"person": {"name": "Ada Lovelace", "age": 36}, "email": "ada@maths.com"}',
+    '{"steps": [{"n": 1, "action": "mix flour and water"}, {"n": 2, "action": "knead for ten minutes"}]}',
+]
 TOPICS = ["the weather in Paris", "a film you like", "a person you know", "how to bake bread", "Python",
           "the sea", "a mountain trip", "a football match", "a library", "a train journey"]
 
@@ -160,12 +168,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=96, help="max tokens of a decode-cost reply")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--mask-only", action="store_true",
+                        help="only the mask cost, along fixed valid replies (no decoding: quick)")
     args = parser.parse_args()
     torch.manual_seed(0)
     llm = LLM(engine=build_engine(EngineConfig(model=args.model)))
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "model": llm.engine.name,
               "decode": [], "mask": []}
     print(f"model {llm.engine.name}, CPU {result['cpu']}, {result['threads']} threads")
+    if args.mask_only:
+        eos = llm.tokenizer.eos_token_ids[0]
+        replies = [llm.tokenizer.encode(EXAMPLES[row % len(EXAMPLES)], add_special_tokens=False) + [eos]
+                   for row in range(max(args.batch))]
+        for rows in args.batch:
+            mask = mask_cost(llm, rows, replies)
+            result["mask"].append(mask)
+            print(f"mask    B={rows}: grammar {mask['mask_us_per_step']:.0f} us/step, sampler "
+                  f"{mask['sampler_us_per_step']:.0f} us/step ({mask['steps']} steps)")
+        args.batch, args.requests = [], 0
     for batch in args.batch:
         decode, replies = decode_cost(llm, batch, args.repeats, args.decode_tokens)
         result["decode"].append(decode)
@@ -176,10 +196,11 @@ def main() -> None:
             result["mask"].append(mask)
             print(f"mask    B={rows}: grammar {mask['mask_us_per_step']:.0f} us/step, sampler "
                   f"{mask['sampler_us_per_step']:.0f} us/step ({mask['steps']} steps)")
-    result["validity"] = validity(llm, args.requests)
-    v = result["validity"]
-    print(f"validity: {v['valid']}/{v['requests']} strict json_schema replies parse and validate "
-          f"(mean {v['mean_tokens']:.0f} tokens); example {v['example']!r}")
+    if args.requests:
+        result["validity"] = validity(llm, args.requests)
+        v = result["validity"]
+        print(f"validity: {v['valid']}/{v['requests']} strict json_schema replies parse and validate "
+              f"(mean {v['mean_tokens']:.0f} tokens); example {v['example']!r}")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=2)
