@@ -4,7 +4,7 @@ A request's `response_format`, vLLM's `guided_*` fields or a forced tool call be
 engine compiles it (kvsplice.structured.grammar, cached by the spec) and masks every sampled token
 with it (kvsplice.structured.matcher). Kinds and their `value`:
 
-    json_schema   the schema as canonical JSON (sorted keys, compact)
+    json_schema   the schema as compact JSON (key order kept: properties are generated in that order)
     json_object   "" (any JSON object)
     regex         the pattern
     choice        canonical JSON list of the allowed strings
@@ -35,8 +35,9 @@ KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "gram
 
 
 def canonical_json(value: Any) -> str:
-    """`value` as compact JSON with sorted keys: equal values give equal strings (the cache key)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """`value` as compact JSON (the cache key). Keys keep their order: a schema's properties are
+    generated in the order it lists them, so two orders are two grammars."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _walk(value: Any):

@@ -54,6 +54,13 @@ BOUNDED = {"type": "object", "properties": {
     "required": ["city", "days", "unit", "tags"], "additionalProperties": False}
 
 
+def test_properties_come_in_schema_order(cache):
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    text = random_walk(cache, StructuredSpec.json_schema(schema), seed=0)
+    assert list(json.loads(text)) == ["zeta", "alpha"]
+
+
 def test_json_schema_walks_always_parse_and_validate(cache):
     """Random tokens through the mask: strict JSON (no raw control characters nor surrogates, which
     xgrammar's string classes admit unrepaired) that validates against the schema."""
@@ -104,8 +111,9 @@ def test_cache_hits_and_lru_eviction(tokenizer):
     cache.compile(StructuredSpec.regex("c+"))          # evicts a+ (least recently used)
     cache.compile(StructuredSpec.regex("a+"))
     assert (cache.hits, cache.misses) == (1, 4)
-    # equal schemas written differently are one cache entry
-    assert StructuredSpec.json_schema({"b": 1, "a": 2}) == StructuredSpec.json_schema({"a": 2, "b": 1})
+    # whitespace does not matter; property order does (properties are generated in schema order)
+    assert StructuredSpec.json_schema(json.loads('{ "a" : 1 }')) == StructuredSpec.json_schema({"a": 1})
+    assert StructuredSpec.json_schema({"b": 1, "a": 2}) != StructuredSpec.json_schema({"a": 2, "b": 1})
 
 
 @pytest.mark.parametrize("spec, reason", [
