@@ -135,7 +135,7 @@ class ChatRenderer:
         return self.tokenizer.encode(self.render(messages, tools, template_kwargs), add_special_tokens=False)
 
     def render(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None,
-               template_kwargs: Optional[dict[str, Any]] = None) -> str:
+               template_kwargs: Optional[dict[str, Any]] = None, add_generation_prompt: bool = True) -> str:
         """The prompt text; `template_kwargs` are extra template variables (e.g. Qwen 3's
         enable_thinking). Raises ValueError without a chat template, ChatTemplateError when the
         template rejects the messages."""
@@ -144,7 +144,7 @@ class ChatRenderer:
                              "or give one with --chat-template")
         dicts, origins = self._for_template(message_dicts(messages), tools)
         template_tools = tools if (tools and self.renders_tools) else None
-        extra = dict(template_kwargs or {})
+        extra = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
         try:
             return self._apply(dicts, template_tools, extra)
         except ChatTemplateError as first_error:
@@ -159,7 +159,7 @@ class ChatRenderer:
     def _apply(self, dicts: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]], extra: dict[str, Any]) -> str:
         try:
             return self.tokenizer.backend.apply_chat_template(
-                dicts, tools=tools, chat_template=self.template, add_generation_prompt=True, tokenize=False, **extra)
+                dicts, tools=tools, chat_template=self.template, tokenize=False, **extra)
         except Exception as error:  # jinja2 raises TemplateError subclasses and plain exceptions
             raise ChatTemplateError(f"the chat template rejected the messages: {error}") from error
 
