@@ -103,7 +103,7 @@ class Engine:
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
                                   failpoints=failpoints)
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
-        self.runner = ModelRunner(model, pool, states, failpoints=failpoints)
+        self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
