@@ -177,6 +177,7 @@ class PackedLinear:
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         values, scales = self.packed
+        x = x.contiguous()   # both kernels refuse strided rows (e.g. a view of half a wider tensor)
         if self.fmt == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, values, scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, values, INT4_GROUP, scales)

@@ -143,17 +143,22 @@ def test_packed_formats_match_the_rounded_reference(fmt):
     apply_weight_format(model, WeightFormat(fmt, fmt))
     fast = FastDecoder(model, fmt)
     assert fast.layers[0].qkv.packed is not None
-    pool = KVPool(64, cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    pool = KVPool(128, cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
     arena = DecodeArena(cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, max_tokens=1024)
-    slots = torch.randperm(64)[:21]
-    _prefill(model, pool, torch.randint(0, cfg.vocab_size, (20,)), slots[:20])
-    req = _req(21, slots)
-    reference, arena_batch = _decode_batches([req], torch.tensor([4]))
+    free, reqs = torch.randperm(128), []
+    for length in (21, 8, 30):     # several rows: the packed kernels get a batch, not one vector
+        slots, free = free[:length], free[length:]
+        _prefill(model, pool, torch.randint(0, cfg.vocab_size, (length - 1,)), slots[:-1])
+        reqs.append(_req(length, slots))
+    reference, arena_batch = _decode_batches(reqs, torch.tensor([4, 9, 11]))
     expected = model(reference, pool)
-    arena.assign([req], pool)
+    arena.assign(reqs, pool)
     got = fast.forward(arena_batch, pool, arena)
-    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
-    assert int(got.argmax()) == int(expected.argmax())
+    tolerance = 0.05 * expected.abs().max()
+    assert (got - expected).abs().max() <= tolerance
+    # the fast path's choice is the reference's best up to that noise (near ties may swap)
+    chosen = expected.gather(1, got.argmax(dim=-1, keepdim=True))[:, 0]
+    assert (chosen >= expected.max(dim=-1).values - 2 * tolerance).all()
 
 
 def test_supports_only_plain_attention_models():
