@@ -244,8 +244,11 @@ def itl_under_prefill(base: str, work: Workload, plan: Plan) -> dict:
     result = {}
 
     def decoder():
-        result["stream"] = complete(base, work.random(32), 4000, {}, stop=stop,
-                                    on_chunk=lambda n: n == 16 and started.set())
+        try:
+            result["stream"] = complete(base, work.random(32), 4000, {}, stop=stop,
+                                        on_chunk=lambda n: n == 16 and started.set())
+        finally:
+            started.set()   # never leave the main thread waiting on a stream that failed
 
     thread = threading.Thread(target=decoder)
     thread.start()

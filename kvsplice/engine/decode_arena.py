@@ -45,6 +45,8 @@ class DecodeArena:
         self.dtype, self.device, self.max_tokens = dtype, device, max_tokens
         self.reqs: list[Req] = []
         self.lengths: list[int] = []
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self._allocate(0, 0)
 
     # ----- storage ----------------------------------------------------------------------
@@ -53,7 +55,7 @@ class DecodeArena:
         layers, heads, dim = self.shape
         k = torch.zeros(layers, rows, heads, capacity, dim, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
-        if getattr(self, "k", None) is not None and self.reqs:
+        if self.k is not None and self.reqs:
             used, old_cap = len(self.reqs), self.k.shape[3]
             keep = min(old_cap, capacity)
             k[:, :used, :, :keep] = self.k[:, :used, :, :keep]

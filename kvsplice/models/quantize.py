@@ -5,13 +5,15 @@ fast path (FastDecoder, which multiplies with the packed integers) compute the s
     --weight-format  projections (q k v o gate up down)   lm_head
     dense            model dtype                          model dtype
     int8             int8 per output channel              int8
-    int4             int4, groups of 32                   int4
+    int4             int4, groups of 32                   int8 (as GGUF Q4 files keep their
+                                                          output / embedding tensor at 6-8 bits)
     auto             int4 where the checkpoint already    model dtype
                      is int4 data (a GGUF Q4_0 / Q4_1),
                      with bf16 activations; else dense
 
 `auto` never loses more than the bf16 rounding of the int4 scales (the packed kernels take bf16
-activations, so with an fp32 model it stays dense and exact).
+activations, so with an fp32 model it stays dense and exact). Models the fast path does not run
+(hybrids, sliding windows) get their weights rounded all the same, but compute with the dense copy.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def resolve_weight_format(name: str, model: Decoder) -> WeightFormat:
     """The WeightFormat `name` stands for on `model` (see the module table); ValueError if unknown."""
     if name not in WEIGHT_FORMAT_CHOICES:
         raise ValueError(f"unknown weight format {name!r}; expected one of {WEIGHT_FORMAT_CHOICES}")
+    if name == "int4":
+        return WeightFormat("int4", "int8")
     if name != "auto":
         return WeightFormat(check_format(name), name)
     dtype = model.lm_head.weight.dtype

@@ -108,6 +108,7 @@ def test_weight_format_auto_is_dense_in_fp32_and_int4_on_4bit_data_in_bf16():
                 param.copy_((q * 0.01 - 0.08).to(torch.bfloat16))
     assert resolve_weight_format("auto", bf16) == WeightFormat("int4", "dense")
     assert resolve_weight_format("int8", model) == WeightFormat("int8", "int8")
+    assert resolve_weight_format("int4", model) == WeightFormat("int4", "int8")
     with pytest.raises(ValueError, match="weight format"):
         resolve_weight_format("fp4", model)
 
@@ -117,3 +118,15 @@ def test_engine_config_checks_the_new_fields():
                 dict(decode_arena_tokens=-1)):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
+
+
+def test_cli_engine_flags_reach_the_engine_config():
+    from kvsplice.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--weight-format", "int4", "--no-fast-path", "--decode-arena-tokens",
+                                      "0", "--step-budget-ratio", "3", "--min-prefill-tokens", "32"])
+    config = engine_config_from_args(args, {})
+    assert (config.dtype, config.weight_format, config.fast_path, config.decode_arena_tokens,
+            config.step_budget_ratio, config.min_prefill_tokens) == ("auto", "int4", False, 0, 3.0, 32)
+    default = engine_config_from_args(build_parser().parse_args(["serve"]), {})
+    assert default.weight_format == "auto" and default.fast_path and default.step_budget_ratio == 2.5
