@@ -104,6 +104,10 @@ BENCHMARKS = (
               "Each --dtype / --weight-format on the built-in edit cases (1.5K-4K-token agent chats, whole prompt "
               "computed): KL(fp32 dense || format) over the last 32 prompt positions, top-1 agreement, greedy "
               "agreement over 32 tokens. For comparison, SCR's own mean KL is 0.00145 nats."),
+    Benchmark("step_cost", "Step cost with prefill next to a decode: the step-budget defaults", "fast decode",
+              "python benchmarks/step_cost.py",
+              "One request decodes at a 2,000-token context while another prefills: CPU time of a step for each "
+              "prefill share, as a multiple of a decode-only step (what --step-budget-ratio lets through)."),
     Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
               "python benchmarks/vs_llamacpp.py --out runs/vs_llamacpp.json",
               "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold prefill "
