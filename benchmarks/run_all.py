@@ -46,6 +46,13 @@ BENCHMARKS = (
               "python benchmarks/serve_load.py --out runs/serve_load.json",
               "32 concurrent streaming chat clients, 4 turns each, against `kvsplice serve` on the default model: "
               "errors (must be 0), throughput, TTFT p50/p99, and the share of prompt tokens served from cache."),
+    Benchmark("soak", "Soak: hostile and ordinary traffic against one server", "reliability",
+              "python benchmarks/soak.py --duration 150 --out runs/soak.json",
+              "One `kvsplice serve` (default model, two API keys) under mixed traffic for a fixed time: agent turns "
+              "with edits, streams dropped mid-way, clients that give up, hostile requests. Requests by action and "
+              "status, 5xx (must be 0), RSS and its growth per 1,000 requests, slots in use when idle (SCR "
+              "sessions' private K/V) and after /flush_cache (must be 0). The full run is `--duration 900` (the "
+              "default)."),
     Benchmark("scr_plan_speed", "SCR planning cost: match + diff + plan", "SCR",
               "python benchmarks/scr_plan_speed.py",
               "The pure-Python SCR front half (session match over 16 sessions sharing a system prompt, token diff, "
@@ -82,6 +89,33 @@ BENCHMARKS = (
               "The built-in edit cases on the trained hybrid: fork / checkpoint / none state modes and prefix "
               "caching alone (scr off, exact), with KL, top-1 and greedy agreement and the tokens computed per "
               "edited turn."),
+    Benchmark("hybrid_checkpoints", "Hybrid state checkpoints at message boundaries: prefill per edited turn",
+              "hybrid",
+              "python benchmarks/hybrid_checkpoints.py --out runs/hybrid_checkpoints.json",
+              "The workload generator's context-editing agent conversations, rendered through the chat template "
+              "with their message offsets, replayed on the trained hybrid (models/hybrid-mini) with each state "
+              "checkpoint policy (every:256, messages, messages+every:256) and on the dense default model, with "
+              "prefix caching and with SCR: prompt tokens prefilled per edited turn, the extra against the dense "
+              "model on the same turns, and the state slots each keeps. Token counts only. Goal: with message "
+              "checkpoints a hybrid's edited turn prefills no more than the dense model's, plus the checkpoint "
+              "granularity."),
+    Benchmark("weight_formats", "Weight formats: fidelity against the fp32 model", "fast decode",
+              "python benchmarks/weight_formats.py",
+              "Each --dtype / --weight-format on the built-in edit cases (1.5K-4K-token agent chats, whole prompt "
+              "computed): KL(fp32 dense || format) over the last 32 prompt positions, top-1 agreement, greedy "
+              "agreement over 32 tokens. For comparison, SCR's own mean KL is 0.00145 nats."),
+    Benchmark("step_cost", "Step cost with prefill next to a decode: the step-budget defaults", "fast decode",
+              "python benchmarks/step_cost.py",
+              "One request decodes at a 2,000-token context while another prefills: CPU time of a step for each "
+              "prefill share, as a multiple of a decode-only step (what --step-budget-ratio lets through)."),
+    Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
+              "python benchmarks/vs_llamacpp.py --out runs/vs_llamacpp.json",
+              "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold prefill "
+              "(2K, 8K), decode tokens/s for 1 stream and 8 streams aggregate (llama-server -np 8), inter-token "
+              "latency of a decoding stream while 4 others prefill 2K-token prompts, TTFT of edited turns (SCR "
+              "against --cache-reuse 16) and the wall time of whole agent turns (synthetic trace: tool calls, "
+              "edits, 100-400 output tokens). Goals: decode x1 >= 1.0x, x8 >= 1.5x, loaded ITL p99 <= 3x the "
+              "1-stream ITL, agent turn <= 0.5x llama-server's, cold prefill >= 3x, edited TTFT >= 5x."),
     Benchmark("structured_outputs", "Structured outputs: the grammar mask's cost per decode step", "agent API",
               "python benchmarks/structured_outputs.py --mask-only --batch 1 8 --out runs/structured_outputs.json",
               "Grammar-constrained decoding (xgrammar) on the default model's vocabulary: the time per decode step "

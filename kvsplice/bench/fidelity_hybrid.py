@@ -59,7 +59,7 @@ def fidelity_hybrid(model_dir: str, modes: Sequence[str] = STATE_MODES, cases: O
     """
     settings = hybrid_settings(modes, max_spans, tail)
     harness = Harness(model_dir, gen_tokens=gen_tokens,
-                      base=ReuseConfig(checkpoint_every=checkpoint_every))
+                      base=ReuseConfig(checkpoint_policy=f"every:{checkpoint_every}"))
     if not harness.reference.model_config.is_hybrid:
         raise ValueError(f"{model_dir} is not a hybrid (linear-attention) model")
     results, summaries = run_sweep(harness, settings, list(cases or builtin_cases(seed)), log=log)

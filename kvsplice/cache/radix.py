@@ -24,6 +24,8 @@ from typing import Hashable, Iterator, Optional, Sequence
 
 import torch
 
+from kvsplice.cache.checkpoint_policy import CheckpointCandidate, least_useful
+
 TokenKey = tuple[int, ...]
 
 
@@ -42,7 +44,8 @@ class TreeNode:
     so a match ending here can resume the recurrence. Set it with `RadixCache.set_checkpoint`; the
     tree then holds that state slot and frees it when the node is evicted. Splitting a node keeps
     it on the deeper part (it is the state after the deeper part's last token); the new prefix
-    node starts with `None`.
+    node starts with `None`. A checkpoint can also be dropped alone (`drop_checkpoint`, the thinning
+    of `kvsplice.cache.checkpoint_policy`): the node's K/V stays.
     """
 
     __slots__ = ("node_id", "key", "slots", "parent", "children", "lock_ref", "last_access",
@@ -119,7 +122,7 @@ class RadixCache:
         `state_allocator` (hybrid models) is the StatePool's; evicted checkpoints go back to it."""
         self.allocator = allocator
         self.state_allocator = state_allocator
-        self._num_checkpoints = 0
+        self._checkpoint_nodes: set[TreeNode] = set()
         self._clock = itertools.count(1)
         self._node_ids = itertools.count()
         self._roots: dict[Hashable, TreeNode] = {}
@@ -223,7 +226,16 @@ class RadixCache:
             raise ValueError(f"cannot set a checkpoint at {node!r}")
         self._check_attached(node)
         node.state_checkpoint = state_slot
-        self._num_checkpoints += 1
+        self._checkpoint_nodes.add(node)
+
+    def drop_checkpoint(self, node: TreeNode) -> None:
+        """Free `node`'s checkpoint (one reference on its state slot); the node and its K/V stay.
+        Raises ValueError if it has none."""
+        if node.state_checkpoint is None:
+            raise ValueError(f"no checkpoint at {node!r}")
+        self.state_allocator.free(torch.tensor([node.state_checkpoint], dtype=torch.int64))
+        node.state_checkpoint = None
+        self._checkpoint_nodes.discard(node)
 
     @staticmethod
     def deepest_checkpoint(node: TreeNode) -> tuple[TreeNode, int]:
@@ -252,15 +264,47 @@ class RadixCache:
 
     def num_checkpoints(self) -> int:
         """State slots held by the tree as checkpoints."""
-        return self._num_checkpoints
+        return len(self._checkpoint_nodes)
+
+    def checkpoint_candidates(self) -> list[CheckpointCandidate]:
+        """Every checkpoint that may be dropped (its state slot has no reference besides the tree's:
+        one an SCR request is about to load is pinned by a second reference), with its depth and the
+        depths of its nearest checkpoint neighbours on its path (see `CheckpointCandidate`).
+
+            root ── [..p] ckpt ── [..c] ckpt ── [..n] ckpt          prev of c = p, next of c = n
+                                             └─ [..m] ckpt          (next = the nearest below: min(n, m))
+        """
+        depth_of, above_of = {}, {}
+        for node in self._checkpoint_nodes:
+            path = list(self._path_to_root(node))
+            depth = sum(len(path_node) for path_node in path)
+            depth_of[node] = depth
+            above_of[node] = next((a for a in path[1:] if a.state_checkpoint is not None), None)
+        below: dict[TreeNode, int] = {}
+        for node, above in above_of.items():
+            if above is not None:
+                below[above] = min(below.get(above, depth_of[node]), depth_of[node])
+        refcount = self.state_allocator.refcount
+        return [CheckpointCandidate(depth_of[node], depth_of[above_of[node]] if above_of[node] else 0,
+                                    below.get(node), node.last_access, node)
+                for node in self._checkpoint_nodes if int(refcount[node.state_checkpoint]) == 1]
 
     def evict_checkpoints(self, num_states: int) -> int:
-        """Evict least-recently-used unlocked leaves until `num_states` checkpoints are freed (or
-        nothing is evictable). Returns the checkpoints freed."""
-        before = self._num_checkpoints
-        while before - self._num_checkpoints < num_states and self._evictable_leaves:
-            self.evict(1)
-        return before - self._num_checkpoints
+        """Drop the least useful unpinned checkpoints (`checkpoint_policy.eviction_key`) until
+        `num_states` are freed or none is left; nodes and their K/V stay. Returns the number freed."""
+        freed = 0
+        while freed < num_states:
+            victim = least_useful(self.checkpoint_candidates())
+            if victim is None:
+                break
+            self.drop_checkpoint(victim.handle)
+            freed += 1
+        return freed
+
+    def thin_checkpoints(self, max_states: int) -> int:
+        """Drop the least useful checkpoints until at most `max_states` remain (pinned ones are never
+        dropped, so more may remain). Returns the number dropped."""
+        return self.evict_checkpoints(max(0, self.num_checkpoints() - max_states))
 
     def evict(self, num_tokens: int) -> int:
         """Evict least-recently-used unlocked leaves until `num_tokens` slots are freed.
@@ -329,7 +373,7 @@ class RadixCache:
         held slot allocated, no empty registered root, a child never more locked than its parent,
         evictable/protected sizes and the evictable-leaf set equal to a full recount.
         """
-        evictable, protected, leaves, seen_slots, checkpoints = 0, 0, set(), set(), 0
+        evictable, protected, leaves, seen_slots, checkpoints = 0, 0, set(), set(), set()
         for namespace, root in self._roots.items():
             assert root.is_root and root.namespace == namespace and root.children, "bad root"
             for _, node in self._iter_subtree(root):
@@ -337,7 +381,8 @@ class RadixCache:
                 node_slots = node.slots.tolist()
                 assert seen_slots.isdisjoint(node_slots), f"a slot is held twice ({node!r})"
                 seen_slots.update(node_slots)
-                checkpoints += node.state_checkpoint is not None
+                if node.state_checkpoint is not None:
+                    checkpoints.add(node)
                 if node.lock_ref == 0:
                     evictable += len(node)
                     if not node.children:
@@ -350,7 +395,8 @@ class RadixCache:
         assert evictable == self._evictable_size, f"evictable {self._evictable_size} != {evictable}"
         assert protected == self._protected_size, f"protected {self._protected_size} != {protected}"
         assert leaves == self._evictable_leaves, "evictable-leaf set out of date"
-        assert checkpoints == self._num_checkpoints, f"checkpoints {self._num_checkpoints} != {checkpoints}"
+        assert checkpoints == self._checkpoint_nodes, (
+            f"checkpoints {len(self._checkpoint_nodes)} != {len(checkpoints)} found in the tree")
 
     # ------------------------------------------------------------------ internals
 
@@ -419,9 +465,7 @@ class RadixCache:
         parent = leaf.parent
         self.allocator.free(leaf.slots)
         if leaf.state_checkpoint is not None:
-            self.state_allocator.free(torch.tensor([leaf.state_checkpoint], dtype=torch.int64))
-            leaf.state_checkpoint = None
-            self._num_checkpoints -= 1
+            self.drop_checkpoint(leaf)
         del parent.children[leaf.key[0]]
         self._evictable_leaves.discard(leaf)
         self._evictable_size -= len(leaf)

@@ -12,6 +12,8 @@ One **state slot** holds both, for every linear layer. Slots are handed out by a
 
 Layout: `conv[linear_layer]` is `[num_slots, conv_dim, K-1]` in the model dtype, `rec[linear_layer]`
 is `[num_slots, Hv, Dk, Dv]` in fp32 (the rule's state is accumulated in fp32, as transformers).
+A slot of a real hybrid is large: `state_slot_bytes` (about 147 MiB for a Qwen3.5-27B-sized model,
+74 MiB for Qwen3-Next-80B-A3B), which is why the checkpoint policy caps the tree's checkpoints.
 """
 
 from __future__ import annotations
@@ -58,10 +60,20 @@ class StatePool:
         self.rec[:, dst] = self.rec[:, src]
 
     def bytes_per_slot(self) -> int:
-        """Memory of one slot over all linear layers."""
+        """Memory of one slot over all linear layers (equals `state_slot_bytes` of its shape)."""
         return (self.conv[:, 0].numel() * self.conv.element_size()
                 + self.rec[:, 0].numel() * self.rec.element_size())
 
     def check_integrity(self, cached: int, in_use: int) -> None:
         """free + cached + in_use == total (AssertionError otherwise); see `SlotAllocator`."""
         self.allocator.check_integrity(cached=cached, in_use=in_use)
+
+
+def state_slot_bytes(num_linear_layers: int, lin: LinearAttnConfig, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one state slot (one checkpoint) of a model with `num_linear_layers` Gated DeltaNet
+    layers shaped `lin`, without allocating it: per layer a conv state [conv_dim, K-1] in `dtype` and a
+    recurrent state [Hv, Dk, Dv] in fp32. E.g. 48 layers of 16 key / 48 value heads of 128 (a
+    Qwen3.5-27B-sized model) in bf16: 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4) bytes = 146.8 MiB."""
+    conv = lin.conv_dim * (lin.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+    rec = lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * 4
+    return num_linear_layers * (conv + rec)

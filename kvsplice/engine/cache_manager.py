@@ -20,16 +20,20 @@ prefix of them that is exact (all of them unless SCR relocated something):
 On abort or preemption (`release(req, cache=False)`) every own slot is freed and the path unlocked.
 
 Hybrid models (a StatePool): a request also holds a working state slot and the checkpoint slots
-it fills every `checkpoint_every` tokens. A prefix hit is cut back to the deepest radix node that
-has a checkpoint (the state must resume exactly there), and the working state starts as a copy of
-it. On finish, checkpoints at lengths <= exact_len, and the final state when the whole computed
-sequence is exact, become checkpoints of the matching radix nodes; the rest is freed.
+it fills at the lengths its `CheckpointPolicy` names (message starts, every N tokens). A prefix hit
+is cut back to the deepest radix node that has a checkpoint (the state must resume exactly there),
+and the working state starts as a copy of it. On finish, checkpoints at lengths <= exact_len, and
+the final state when the whole computed sequence is exact, become checkpoints of the matching radix
+nodes; the rest is freed. The tree then keeps at most `policy.max_states` of them (the least useful
+go first; see `kvsplice.cache.checkpoint_policy`). States an SCR request will load are pinned (one
+extra reference each, `pin_loads`) until the request lets go of its states.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvsplice.cache.checkpoint_policy import CheckpointPolicy
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.radix import PrefixMatch, RadixCache
 from kvsplice.cache.state_pool import StatePool
@@ -41,11 +45,11 @@ class CacheManager:
     (nothing matched, nothing inserted) without the scheduler testing a flag."""
 
     def __init__(self, pool: KVPool, prefix_cache: bool = True, states: StatePool | None = None,
-                 checkpoint_every: int = 0):
+                 policy: CheckpointPolicy | None = None):
         self.pool = pool
         self.allocator = pool.allocator
         self.states = states
-        self.checkpoint_every = checkpoint_every
+        self.policy = policy or CheckpointPolicy()
         self.radix = RadixCache(self.allocator, states.allocator if states is not None else None)
         self.prefix_cache = prefix_cache
 
@@ -99,9 +103,7 @@ class CacheManager:
         the checkpoint at `match.node`, or zeros. True without a StatePool; False when no slot."""
         if self.states is None:
             return True
-        slot = self.states.alloc_one()
-        if slot is None and self.radix.evict_checkpoints(1):
-            slot = self.states.alloc_one()
+        slot = self.alloc_state()
         if slot is None:
             return False
         if match.length and match.node.state_checkpoint is not None:
@@ -111,20 +113,34 @@ class CacheManager:
         req.state_slot = slot
         return True
 
+    def alloc_state(self) -> int | None:
+        """One state slot, dropping the tree's least useful checkpoint once if none is free."""
+        slot = self.states.alloc_one()
+        if slot is None and self.radix.evict_checkpoints(1):
+            slot = self.states.alloc_one()
+        return slot
+
     def alloc_checkpoints(self, req: Req) -> None:
-        """Best effort: a slot for the state at every multiple p of `checkpoint_every` inside the
-        prompt whose last token (offset p - 1) this request computes (no eviction for these)."""
-        if self.states is None or self.checkpoint_every <= 0:
+        """Best effort: a slot for the state at every length p the policy names for `req`
+        (`CheckpointPolicy.lengths`: message starts, the prompt's end, multiples of `every`) whose
+        last token (offset p - 1) this request computes, at most `policy.max_states` of them (may
+        drop the tree's least useful checkpoints to make room). None without the prefix cache:
+        nothing would keep them."""
+        if self.states is None or not self.prefix_cache:
             return
         computed = set(req.pending)
-        every = self.checkpoint_every
-        for length in range(every, len(req.prompt_ids), every):
-            if length - 1 not in computed:
-                continue
-            slot = self.states.alloc_one()
+        lengths = [p for p in self.policy.lengths(len(req.prompt_ids), req.message_offsets) if p - 1 in computed]
+        for length in lengths[: self.policy.max_states]:
+            slot = self.alloc_state()
             if slot is None:
                 return
             req.ckpt_slots[length] = slot
+
+    def pin_loads(self, req: Req) -> None:
+        """Add a reference to every state `req` will load (`req.splice_loads`), so that no thinning
+        frees one before the request has used it; `take_states` drops them."""
+        for slot in req.splice_loads.values():
+            self.states.allocator.incref(torch.tensor([slot], dtype=torch.int64))
 
     def take_states(self, req: Req) -> dict[int, int]:
         """Hand `req`'s states over to the caller: {sequence length: state slot}, its checkpoints
@@ -135,40 +151,34 @@ class CacheManager:
             if kv_len in states:
                 self.states.free([states.pop(kv_len)])
             states[kv_len] = req.state_slot
+        for slot in req.splice_loads.values():   # the pins of `pin_loads`
+            self.states.free([slot])
         req.state_slot, req.ckpt_slots, req.splice_loads = None, {}, {}
         return states
 
-    def checkpoint_exact_states(self, ids: list[int], namespace, states: dict[int, int], exact_len: int,
-                                copy: bool) -> None:
-        """Store the states at lengths 0 < p <= exact_len as checkpoints of the radix nodes ending
-        at p (`ids[:exact_len]` must be in the tree). With `copy` the tree gets copies in fresh
-        slots (best effort) and `states` stay the caller's; without, the tree takes the slots and
-        every other one is freed."""
+    def checkpoint_exact_states(self, ids: list[int], namespace, states: dict[int, int], exact_len: int) -> None:
+        """Hand the states at lengths 0 < p <= exact_len to the radix tree as checkpoints of the
+        nodes ending at p (`ids[:exact_len]` must be in the tree), free those it cannot take (it
+        already has one there), then thin the tree to `policy.max_states`. Returns nothing; the
+        states at other lengths stay the caller's."""
         for length, slot in sorted(states.items()):
             if not 0 < length <= exact_len:
-                if not copy:
-                    self.states.free([slot])
                 continue
             match = self.radix.match_prefix(ids[:length], namespace)
-            usable = match.length == length and match.node.state_checkpoint is None
-            if usable and copy:
-                fresh = self.states.alloc_one()
-                if fresh is not None:
-                    self.states.copy(slot, fresh)
-                    self.radix.set_checkpoint(match.node, fresh)
-            elif usable:
+            if match.length == length and match.node.state_checkpoint is None:
                 self.radix.set_checkpoint(match.node, slot)
-            elif not copy:
+            else:
                 self.states.free([slot])
+        self.radix.thin_checkpoints(self.policy.max_states)
 
     def _release_states(self, req: Req, cache: bool, ids: list[int], exact_len: int) -> None:
         if self.states is None or req.state_slot is None:
             return
         states = self.take_states(req)
         if cache and self.prefix_cache:
-            self.checkpoint_exact_states(ids, req.namespace, states, exact_len, copy=False)
-        else:
-            self.states.free(list(states.values()))
+            self.checkpoint_exact_states(ids, req.namespace, states, exact_len)
+            states = {length: slot for length, slot in states.items() if not 0 < length <= exact_len}
+        self.states.free(list(states.values()))
 
     def install(self, req: Req, match, fresh: torch.Tensor) -> None:
         """Point `req` at its (already locked) radix hit followed by `fresh` slots for the rest

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvsplice.cache.checkpoint_policy import check_message_offsets
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
@@ -100,12 +101,12 @@ class Engine:
         if model_config.is_hybrid:
             states = StatePool(config.num_state_slots or default_state_slots(config), model_config.num_linear_layers,
                                model_config.linear_attn, dtype=dtype, device=config.device)
-        self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoint_every)
+        self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints())
         self.failpoints = failpoints
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
                                   failpoints=failpoints)
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
-        self.runner = ModelRunner(model, pool, states, failpoints=failpoints)
+        self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
         self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
@@ -118,7 +119,8 @@ class Engine:
     # ----- requests in ------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     cache_salt: str | None = None, session_id: str | None = None,
-                    scr: str | dict | None = None, keep_last_logits: int = 0, owner: str | None = None) -> str:
+                    scr: str | dict | None = None, keep_last_logits: int = 0, owner: str | None = None,
+                    message_offsets: list[int] | tuple[int, ...] | None = None) -> str:
         """Queue a request; returns its id.
 
         `owner`: the tenant the request belongs to (the server derives it from the API key); with
@@ -129,14 +131,19 @@ class Engine:
         last N prompt positions that are computed (not those served from a cache), for fidelity
         measurements. Raises ValueError for input that can never be served (empty prompt, unknown
         token ids, too long for the context or the pool) and QueueFullError when the queue is full.
+
+        `message_offsets`: offsets into the prompt where its messages start (strictly increasing,
+        within the prompt, else ValueError; the chat endpoint computes them from the template). On a
+        hybrid model the checkpoint policy saves the linear layers' state there; others ignore them.
         """
         rid = rid or f"req-{next(self._rid_counter)}"
         self._validate(rid, prompt_ids, params)
+        offsets = check_message_offsets(message_offsets, len(prompt_ids))
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         req = Req(rid, list(prompt_ids), params, namespace=Namespace(owner, cache_salt), session_id=session_id,
                   arrival_s=time.perf_counter(), generator=make_generator(params.seed),
-                  keep_last_logits=keep_last_logits)
+                  keep_last_logits=keep_last_logits, message_offsets=offsets)
         req.logits_state = self._logits_state(prompt_ids, params)
         req.scr = self.reuse.request_config(scr, cache_salt)
         detok = IncrementalDetokenizer(

@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine, RequestFailedError
 from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.request import RequestOutput
 from kvsplice.layers.sampler import TokenLogprob
+from kvsplice.message_offsets import message_offsets
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.default_model import resolve_model
@@ -40,11 +43,33 @@ class GenerationResult:
     state_reuse: object | None = None   # hybrid models: StateReuse (checkpoint depth, state mode)
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU multiplies bf16 in hardware (flag avx512_bf16 or amx_bf16 in `cpuinfo`);
+    False where that cannot be read (bf16 is then emulated, slower than fp32)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_auto_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """`resolve_dtype(name)`, where "auto" is bfloat16 on a device with native bf16 matmul (CUDA
+    with bf16 support, a CPU with avx512_bf16 / amx_bf16) and float32 elsewhere."""
+    if str(name).strip().lower() != "auto":
+        return resolve_dtype(name)
+    if str(device).startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def build_engine(config: EngineConfig, failpoints: Failpoints | None = None) -> Engine:
     """Load `config.model` (a local HF dir, a GGUF file, a llama2.c .bin, a hub id, or None for
-    the default model) and build an Engine around it (`failpoints`: a test seam, see Engine)."""
+    the default model) and build an Engine around it (`config.dtype` may be "auto"; `failpoints`:
+    a test seam, see Engine)."""
     path = resolve_model(config.model)
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_auto_dtype(config.dtype, config.device)
     ckpt = load_checkpoint(path, dtype=dtype)
     model_config = ModelConfig.from_hf_config(ckpt.hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
@@ -65,29 +90,48 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
+                 message_offsets: list[int] | list[list[int] | None] | None = None,
                  **request_kwargs) -> list[GenerationResult]:
         """Run every prompt (text or token ids) to completion, batched; results in input order.
-        `request_kwargs` (cache_salt, session_id, scr) apply to every prompt. Raises
-        RequestFailedError (once every request has ended) if one failed inside the engine."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        `request_kwargs` (cache_salt, session_id, scr) apply to every prompt. `message_offsets`:
+        where each prompt's messages start (token offsets, see `Engine.add_request`): one list for a
+        single prompt, or one list (or None) per prompt. Raises RequestFailedError (once every
+        request has ended) if one failed inside the engine."""
+        single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        if single:
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        offsets_list = self._offsets_per_prompt(message_offsets, len(prompts), single)
         prompt_ids = [self._encode(p) for p in prompts]
-        rids = [self.engine.add_request(ids, sp, **request_kwargs)
-                for ids, sp in zip(prompt_ids, params_list)]
+        rids = [self.engine.add_request(ids, sp, message_offsets=offsets, **request_kwargs)
+                for ids, sp, offsets in zip(prompt_ids, params_list, offsets_list)]
         collected = {rid: [] for rid in rids}
         while any(not outs or not outs[-1].finished for outs in collected.values()):
             for out in self.engine.step():
                 collected[out.rid].append(out)
         return [self._merge(rid, ids, collected[rid]) for rid, ids in zip(rids, prompt_ids)]
 
+    @staticmethod
+    def _offsets_per_prompt(message_offsets, num_prompts: int, single: bool) -> list:
+        """`generate`'s message_offsets as one entry per prompt; ValueError when they do not line up."""
+        if message_offsets is None:
+            return [None] * num_prompts
+        if single and all(isinstance(o, int) for o in message_offsets):
+            return [message_offsets]
+        if len(message_offsets) != num_prompts or any(o is not None and not isinstance(o, (list, tuple))
+                                                      for o in message_offsets):
+            raise ValueError(f"message_offsets: expected one list per prompt ({num_prompts}), got {message_offsets!r}")
+        return list(message_offsets)
+
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               **request_kwargs) -> Iterator[RequestOutput]:
+               message_offsets: list[int] | None = None, **request_kwargs) -> Iterator[RequestOutput]:
         """Yield one RequestOutput delta per generated token; the last has finished=True.
-        Closing the iterator early aborts the request. RequestFailedError if it fails."""
-        rid = self.engine.add_request(self._encode(prompt), params or SamplingParams(), **request_kwargs)
+        Closing the iterator early aborts the request. RequestFailedError if it fails.
+        `message_offsets`: see `generate`."""
+        rid = self.engine.add_request(self._encode(prompt), params or SamplingParams(),
+                                      message_offsets=message_offsets, **request_kwargs)
         finished = False
         try:
             while not finished:
@@ -104,9 +148,14 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None,
              **request_kwargs) -> GenerationResult:
-        """Apply the model's chat template and generate the assistant's reply."""
+        """Apply the model's chat template and generate the assistant's reply. On a hybrid model
+        whose checkpoint policy uses messages, the message offsets are computed from the template
+        (`kvsplice.message_offsets`) and passed with the request."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([ids], params, **request_kwargs)[0]
+        cache = self.engine.cache
+        offsets = message_offsets(self.tokenizer, messages, ids) \
+            if cache.states is not None and cache.policy.messages else None
+        return self.generate([ids], params, message_offsets=[offsets], **request_kwargs)[0]
 
     @staticmethod
     def _merge(rid: str, prompt_ids: list[int], outs: list[RequestOutput]) -> GenerationResult:

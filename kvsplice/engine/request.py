@@ -123,6 +123,9 @@ class Req:
     ckpt_slots: dict[int, int] = field(default_factory=dict)
     splice_loads: dict[int, int] = field(default_factory=dict)
     state_reuse: StateReuse | None = None
+    # hybrid models: offsets where the prompt's messages start (increasing, within the prompt), from
+    # the chat template; the checkpoint policy may save the linear layers' state there
+    message_offsets: tuple[int, ...] = ()
 
     @property
     def seq_ids(self) -> list[int]:

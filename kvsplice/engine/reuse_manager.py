@@ -35,8 +35,10 @@ segment that follows relocated tokens their state is replaced according to `stat
                  an exact checkpoint on the session's locked radix path)
     none:        no load (the relocated tokens are simply skipped)
 
-A session keeps its previous sequence's states (checkpoints + final) privately; copies of the
-exact ones (lengths <= exact_len) go to the radix tree.
+The exact states of a finished sequence (lengths <= exact_len: message starts, every N tokens, the
+final state when nothing was relocated) become radix checkpoints, which the session finds on its
+locked path; only the approximate ones (after the first relocated token) are the session's own. A
+state a request will load is pinned until the request ends, so thinning never frees it under it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvsplice.cache.checkpoint_policy import least_useful, sequence_candidates
 from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
@@ -54,7 +57,7 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, parse_request_override
 from kvsplice.reuse.diff import diff_tokens
-from kvsplice.reuse.plan import PlanResult, SpanPlan, make_plan, prefill_breakdown
+from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -162,7 +165,7 @@ class ReuseManager:
         result = make_plan(old_ids, req.prompt_ids, runs, prefix_len=match.length,
                            old_kv_len=len(old_ids), cfg=scr.cfg)
         if result.plan is not None and self.cache.states is not None:
-            result = self._hybrid_plan(result, old_ids, req.prompt_ids, runs, scr.cfg.tail)
+            result = self._hybrid_plan(result, old_ids, req.prompt_ids, runs, scr.cfg, req.state_reuse.radix_match)
         if result.plan is not None:
             result.plan.validate(old_ids, req.prompt_ids, len(old_ids))
         return match, result
@@ -238,10 +241,11 @@ class ReuseManager:
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
         scr.plan = result.plan
         if self.cache.states is not None:
-            # the session's own states, and the exact checkpoints on its locked radix path (the
-            # tree's copies of states from turns whose prefix was served from the cache)
+            # the session's own (approximate) states, and the exact checkpoints on its locked radix
+            # path (its previous sequence's exact states, and those of earlier turns still kept)
             candidates = {**self.cache.radix.path_checkpoints(kv.exact_node), **kv.states}
             self._plan_state_loads(req, result.plan, candidates, scr.cfg.state_mode, match.length)
+            self.cache.pin_loads(req)
             self.cache.alloc_checkpoints(req)
         if update_stats:
             req.reuse = ReuseStats.from_plan_result(result, prompt_len=len(req.prompt_ids),
@@ -249,16 +253,27 @@ class ReuseManager:
         return True
 
     @staticmethod
-    def _hybrid_plan(result: PlanResult, old_ids, new_ids, runs, tail: int) -> PlanResult:
-        """On a hybrid the prefix hit stops at a state checkpoint, so a first keep that merely
-        continues it in place (delta 0 right at prefix_len) would leave the linear layers without
-        the exact state at its end: compute those tokens instead (exact, as a prefix hit would be).
+    def _hybrid_plan(result: PlanResult, old_ids, new_ids, runs, cfg: ReuseConfig, radix_match: int) -> PlanResult:
+        """On a hybrid the prefix hit stops at a state checkpoint, below the radix match. A first
+        keep that merely continues it in place (delta 0 right at prefix_len) would leave the linear
+        layers without the exact state of the cached tokens it covers: compute those, [prefix_len,
+        radix_match), instead (exact, as a prefix hit would be). Its part beyond the radix match
+        (K/V the session holds privately, approximate from an earlier relocation) stays relocated
+        in place when at least `min_span` long, as on a dense model; else it is computed too.
+
+            new prompt   [ prefix (checkpoint) ][ cached, no state ][ session's own K/V ][ tail ]
+            keep                               |<-------- delta 0 keep ---------------->|
+            becomes      computed ------------> |                  |<-- keep ---------->|
+
         No keep left: no plan ("no_spans")."""
         plan = result.plan
         keeps = plan.keeps
         if not (keeps and keeps[0].delta == 0 and keeps[0].dst_pos == plan.prefix_len):
             return result
-        keeps = keeps[1:]
+        first, start = keeps[0], max(radix_match, plan.prefix_len)
+        rest = Keep(start, start, first.dst_end - start)
+        keeps = ((rest,) if rest.length >= cfg.min_span else ()) + keeps[1:]
+        tail = cfg.tail
         breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=plan.prefix_len, keeps=keeps, tail=tail)
         if not keeps:
             return PlanResult(None, "no_spans", breakdown)
@@ -316,6 +331,7 @@ class ReuseManager:
         if scr is None or scr.session is None or not cache:
             self.cache.allocator.free(self.cache.release(req, cache=cache))
             self.forget(req)
+            self._cap_states()
             return
         kv_len = self.cache.computed_len(req)
         ids = req.seq_ids[:kv_len]
@@ -323,9 +339,44 @@ class ReuseManager:
         states = self.cache.take_states(req) if self.cache.states is not None else {}
         private = self.cache.release(req, cache=True, exact_len=exact_len)
         if states:
-            self.cache.checkpoint_exact_states(ids, req.namespace, states, exact_len, copy=True)
+            # exact states become radix checkpoints (the session finds them on its locked path);
+            # the approximate ones, after the first relocated token, stay the session's own
+            self.cache.checkpoint_exact_states(ids, req.namespace, states, exact_len)
+            states = {length: slot for length, slot in states.items() if length > exact_len}
         self._replace_session_kv(scr.session, ids, exact_len, private, states)
         self.forget(req)
+        self._cap_states()
+
+    def _cap_states(self) -> None:
+        """Hybrids: drop the least useful of the radix tree's checkpoints and the sessions' own
+        states until together they fit the checkpoint policy's cap (`checkpoint_policy`; pinned
+        states never go)."""
+        cache = self.cache
+        if cache.states is None:
+            return
+        while cache.radix.num_checkpoints() + self.private_state_slots() > cache.policy.max_states:
+            victim = least_useful(cache.radix.checkpoint_candidates() + self._session_state_candidates())
+            if victim is None:
+                return
+            if isinstance(victim.handle, tuple):
+                kv, length = victim.handle
+                cache.states.free([kv.states.pop(length)])
+            else:
+                cache.radix.drop_checkpoint(victim.handle)
+
+    def _session_state_candidates(self) -> list:
+        """Every session's own states as eviction candidates (handles (SessionKV, length)); a
+        session's recency is that of its locked radix path, its exact checkpoints are the floor."""
+        refcount = self.cache.states.allocator.refcount
+        out = []
+        for session in self.sessions.sessions():
+            kv = session.payload
+            if kv is None or not kv.states:
+                continue
+            below = list(self.cache.radix.path_checkpoints(kv.exact_node))
+            out += [c for c in sequence_candidates(list(kv.states), below, kv.exact_node.last_access, kv)
+                    if int(refcount[kv.states[c.depth]]) == 1]
+        return out
 
     def _replace_session_kv(self, session: Session, ids: list[int], exact_len: int,
                             private: torch.Tensor, states: dict[int, int] | None = None) -> None:

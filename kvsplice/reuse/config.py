@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, NamedTuple
 
+from kvsplice.cache.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
+
 StateMode = Literal["fork", "checkpoint", "none"]
 STATE_MODES: tuple[str, ...] = ("fork", "checkpoint", "none")
 
@@ -39,10 +41,12 @@ class ReuseConfig:
     cdc_target: int = 64  # mean chunk size of the content-defined chunking (a power of 2)
     # hybrid (linear-attention) models: the state a linear layer resumes from after a relocated
     # span (fork: the previous sequence's final state; checkpoint: the previous turn's saved state
-    # nearest before the span's old end; none: keep the running state), and the spacing of the
-    # state checkpoints saved during prefill (0: only at request ends)
+    # nearest before the span's old end; none: keep the running state)
     state_mode: StateMode = "checkpoint"
-    checkpoint_every: int = 256
+    # hybrid models: where state checkpoints are saved during prefill ("messages", "every:N" or
+    # both joined by "+"; see kvsplice.cache.checkpoint_policy) and how many the radix tree keeps
+    checkpoint_policy: str = DEFAULT_POLICY
+    checkpoint_max_states: int = 64
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
@@ -69,6 +73,10 @@ class ReuseConfig:
                 raise ValueError(f"{entry.name}={raw!r}: {exc}") from None
             overrides[entry.field] = value
         return (base or cls()).replace(**overrides)
+
+    def checkpoints(self) -> CheckpointPolicy:
+        """The state checkpoint policy (`checkpoint_policy` parsed, with its memory cap)."""
+        return CheckpointPolicy.parse(self.checkpoint_policy, self.checkpoint_max_states)
 
     def replace(self, **overrides: Any) -> ReuseConfig:
         """A copy with `overrides` applied and validated; unknown names or bad values raise ValueError."""
@@ -103,7 +111,8 @@ FIELD_TYPES: dict[str, type] = {
     "fastdiff_min": int,
     "cdc_target": int,
     "state_mode": str,
-    "checkpoint_every": int,
+    "checkpoint_policy": str,
+    "checkpoint_max_states": int,
 }
 
 # Every setting's range, inclusive. Lower bounds: tail >= 1 keeps the prompt's last token computed.
@@ -112,7 +121,8 @@ FIELD_TYPES: dict[str, type] = {
 # context; cdc_target at most 2**16 (a chunk mean beyond that finds no chunk inside real prompts,
 # and the rolling hash's bit mask must fit 64 bits); at most 1,024 relocated spans per request;
 # at most 2**20 tracked sessions and 2**32 private session tokens (beyond any pool's memory);
-# fractions and margins in [0, 1] (they compare token overlaps, which lie in [0, 1]).
+# at most 2**20 state checkpoints (one is megabytes on a real hybrid); fractions and margins in
+# [0, 1] (they compare token overlaps, which lie in [0, 1]).
 MAX_TOKENS = 1 << 22
 _INT_RANGE = {
     "max_spans": (0, 1024),
@@ -124,7 +134,7 @@ _INT_RANGE = {
     "match_min_tokens": (1, MAX_TOKENS),
     "fastdiff_min": (0, MAX_TOKENS),
     "cdc_target": (4, 1 << 16),
-    "checkpoint_every": (0, MAX_TOKENS),
+    "checkpoint_max_states": (0, 1 << 20),
 }
 _FLOAT_RANGE = (0.0, 1.0)
 
@@ -145,6 +155,14 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
     kind = FIELD_TYPES.get(name)
     if kind is None:
         raise SettingError(f"unknown SCR setting: {label}", label)
+    if name == "checkpoint_policy":
+        if not isinstance(value, str):
+            raise SettingError(f"{label} must be a string, got {value!r}", label)
+        try:
+            CheckpointPolicy.parse(value)
+        except ValueError as exc:
+            raise SettingError(f"{label}: {exc}", label) from None
+        return
     if kind is str:
         if value not in STATE_MODES:
             raise SettingError(f"{label} must be one of {', '.join(STATE_MODES)}, got {value!r}", label)
@@ -236,8 +254,11 @@ ENV_TABLE: tuple[EnvVar, ...] = (
            "mean chunk size of the content-defined chunking (a power of 2)"),
     EnvVar("KVREUSE_SSM_MODE", "state_mode", parse_str, "--scr-state-mode",
            "hybrid models: linear-layer state after a relocated span (fork, checkpoint, none)"),
-    EnvVar("KVREUSE_SSM_CHECKPOINT_EVERY", "checkpoint_every", parse_int, "--scr-checkpoint-every",
-           "hybrid models: save a linear-layer state checkpoint every N prompt tokens (0: request ends only)"),
+    EnvVar("KVREUSE_SSM_CHECKPOINT_POLICY", "checkpoint_policy", parse_str, "--scr-checkpoint-policy",
+           "hybrid models: where linear-layer state checkpoints are saved: messages (message starts), "
+           "every:N (every N prompt tokens) or both, e.g. messages+every:256 (request ends always)"),
+    EnvVar("KVREUSE_SSM_CHECKPOINT_MAX_STATES", "checkpoint_max_states", parse_int, "--scr-checkpoint-max-states",
+           "hybrid models: most state checkpoints the prefix cache keeps (state slots; least useful dropped first)"),
 )
 
 # Settings a single request may override; the rest belong to the whole server (session store).

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from kvsplice.message_offsets import message_offsets
 from kvsplice.server.protocol import ChatMessage
 from kvsplice.server.tool_parsers import ToolParser, detect_parser
 from kvsplice.tokenizer import Tokenizer
@@ -117,6 +118,16 @@ def _template_source(tokenizer: Tokenizer, override: Optional[str]) -> Optional[
     return template
 
 
+@dataclass(frozen=True)
+class _Rendering:
+    """One chat as the template saw it: the normalised dicts, the tools and extra variables passed, the text."""
+
+    dicts: list[dict[str, Any]]
+    tools: Optional[list[dict[str, Any]]]
+    extra: dict[str, Any]
+    text: str
+
+
 class ChatRenderer:
     """Renders chats through one template: the model's, or `template` (--chat-template). `parser`:
     the tool-call syntax used where the template has none (default: detected from the template)."""
@@ -139,6 +150,26 @@ class ChatRenderer:
         """The prompt text; `template_kwargs` are extra template variables (e.g. Qwen 3's
         enable_thinking). Raises ValueError without a chat template, ChatTemplateError when the
         template rejects the messages."""
+        return self._rendering(messages, tools, template_kwargs, add_generation_prompt).text
+
+    def message_offsets(self, messages: list[ChatMessage], prompt_ids: list[int],
+                        tools: Optional[list[dict[str, Any]]] = None,
+                        template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Offsets into `prompt_ids` (this chat as `prompt_ids()` rendered it) where each message
+        after the first and the reply start, verified against the tokens (`kvsplice.message_offsets`),
+        rendered exactly as the prompt was: this template, the normalised messages."""
+        rendering = self._rendering(messages, tools, template_kwargs, True)
+
+        def render(prefix, add_generation_prompt: bool) -> str:
+            return self._apply(list(prefix), rendering.tools, {**rendering.extra,
+                                                               "add_generation_prompt": add_generation_prompt})
+
+        return message_offsets(self.tokenizer, rendering.dicts, prompt_ids, render=render)
+
+    def _rendering(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]],
+                   template_kwargs: Optional[dict[str, Any]], add_generation_prompt: bool) -> "_Rendering":
+        """The template-ready dicts that render (tool messages become user turns where the template
+        rejects them), the tools and variables passed to the template, and the text."""
         if self.source is None or not hasattr(self.tokenizer.backend, "apply_chat_template"):
             raise ValueError("this model has no chat template; use the completions endpoint with a raw prompt, "
                              "or give one with --chat-template")
@@ -146,13 +177,13 @@ class ChatRenderer:
         template_tools = tools if (tools and self.renders_tools) else None
         extra = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
         try:
-            return self._apply(dicts, template_tools, extra)
+            return _Rendering(dicts, template_tools, extra, self._apply(dicts, template_tools, extra))
         except ChatTemplateError as first_error:
             if not any(d["role"] == "tool" for d in dicts):
                 raise self._blame(dicts, origins, template_tools, extra, first_error) from None
         dicts = [self._tool_as_user(d) if d["role"] == "tool" else d for d in dicts]
         try:
-            return self._apply(dicts, template_tools, extra)
+            return _Rendering(dicts, template_tools, extra, self._apply(dicts, template_tools, extra))
         except ChatTemplateError as error:
             raise self._blame(dicts, origins, template_tools, extra, error) from None
 
@@ -224,6 +255,13 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage],
     wants; `add_special_tokens` adds the tokenizer's own (e.g. BOS) on top, as vLLM's /tokenize may."""
     text = ChatRenderer(tokenizer).render(messages, tools, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_message_offsets(tokenizer: Tokenizer, messages: list[ChatMessage], prompt_ids: list[int],
+                         tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    """Offsets into `prompt_ids` (this chat as `chat_prompt_ids` rendered it) where each message after
+    the first and the reply start, each verified against the tokens (`kvsplice.message_offsets`)."""
+    return ChatRenderer(tokenizer).message_offsets(messages, prompt_ids, tools or None)
 
 
 @dataclass(frozen=True)

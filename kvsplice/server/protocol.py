@@ -9,13 +9,25 @@ coerced.
 
 kvsplice extras on both OpenAI endpoints: `cache_salt` (cache namespace), `session_id` (names the
 conversation for SCR session matching), `scr` ("on", "off" or an object of per-request settings).
+`message_offsets` (completions and /generate): token offsets where the prompt's messages start, so a
+hybrid model saves its linear layers' state there; chat completions compute them from the template and
+refuse the field.
+
+Size limits (kvsplice.server.limits.RequestLimits) come in through the validation context
+(`Model.model_validate(obj, context={"limits": limits})`); without one the static defaults apply and
+the message count is unbounded. A message count over the limit is refused before the messages are
+validated one by one. An empty stop string is refused whether it comes alone (`"stop": ""`) or in a
+list (`"stop": [""]`), as vLLM does: it would match before the first token.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
+
+from kvsplice.server.limits import RequestLimits
 
 from kvsplice.structured.spec import canonical_json, check_schema, nesting_depth
 
@@ -32,6 +44,43 @@ class _Request(BaseModel):
     """Base of request bodies: unknown fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+def request_limits(info: ValidationInfo) -> RequestLimits:
+    """The limits passed in the validation context, or the static defaults."""
+    return (info.context or {}).get("limits") or RequestLimits()
+
+
+def _check_stop(stop: Union[str, list[str], None], info: ValidationInfo) -> Union[str, list[str], None]:
+    """`stop`: at most max_stop entries, each non-empty and at most max_stop_chars characters."""
+    if stop is None:
+        return stop
+    limits = request_limits(info)
+    entries = [stop] if isinstance(stop, str) else stop
+    if len(entries) > limits.max_stop:
+        raise ValueError(f"at most {limits.max_stop} stop strings are allowed, got {len(entries)}")
+    for entry in entries:
+        if entry == "":
+            raise ValueError("stop strings must be non-empty (an empty one would match before the first token)")
+        if len(entry) > limits.max_stop_chars:
+            raise ValueError(f"a stop string may have at most {limits.max_stop_chars} characters, "
+                             f"got {len(entry)}")
+    return stop
+
+
+def _check_stop_token_ids(ids: Optional[list[int]], info: ValidationInfo) -> Optional[list[int]]:
+    limit = request_limits(info).max_stop
+    if ids is not None and len(ids) > limit:
+        raise ValueError(f"at most {limit} stop token ids are allowed, got {len(ids)}")
+    return ids
+
+
+def _check_id(value: Optional[str], info: ValidationInfo) -> Optional[str]:
+    """An identifier (`session_id`, `cache_salt`, `rid`): at most max_id_chars characters."""
+    limit = request_limits(info).max_id_chars
+    if value is not None and len(value) > limit:
+        raise ValueError(f"may have at most {limit} characters, got {len(value)}")
+    return value
 
 
 class _OpenAIRequest(_Request):
@@ -143,8 +192,9 @@ class ToolCall(BaseModel):
 class ContentPart(BaseModel):
     """A part of a list-valued `content`; only text parts are supported (this is a text-only server)."""
 
-    model_config = ConfigDict(extra="allow")
-    type: str
+    # The document says what is accepted (a text part); validation keeps the clearer error for the rest.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: Optional[str] = None
 
     @model_validator(mode="after")
@@ -212,6 +262,10 @@ class _SamplingFields(_OpenAIRequest):
     stream_reasoning: Optional[StrictBool] = None
     return_hidden_states: Optional[StrictBool] = None
 
+    _stop_limits = field_validator("stop")(_check_stop)
+    _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
+    _id_limits = field_validator("cache_salt", "session_id")(_check_id)
+
     @field_validator("no_stop_trim", "continue_final_message", "return_hidden_states")
     @classmethod
     def _sglang_off(cls, value: Optional[bool], info) -> Optional[bool]:
@@ -240,7 +294,7 @@ class _SamplingFields(_OpenAIRequest):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. `max_completion_tokens` (newer OpenAI name) wins over `max_tokens`."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = None
@@ -266,6 +320,15 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: Optional[Any] = None
     web_search_options: Optional[Any] = None
     moderation: Optional[Any] = None
+    message_offsets: Any = None   # refused: the server computes them from the messages
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, messages: Any, info: ValidationInfo) -> Any:
+        limit = request_limits(info).max_messages
+        if isinstance(messages, list) and limit is not None and len(messages) > limit:
+            raise ValueError(f"at most {limit} messages are allowed, got {len(messages)}")
+        return messages
 
     @field_validator("messages")
     @classmethod
@@ -327,6 +390,9 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.message_offsets is not None:
+            raise ValueError("message_offsets: not accepted on chat completions (the server computes them "
+                             "from the messages)")
         return self
 
 
@@ -335,11 +401,17 @@ class CompletionRequest(_SamplingFields):
     (several prompts in one request are refused with 400: send one request per prompt). `best_of`
     may only repeat `n` (choosing the best of more choices than are returned is not supported)."""
 
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": 1,
+         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
+    message_offsets: Optional[list[StrictInt]] = None
 
     @field_validator("suffix")
     @classmethod
@@ -382,9 +454,16 @@ class GenerateSamplingParams(_Request):
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
+    _stop_limits = field_validator("stop")(_check_stop)
+    _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
+
 
 class GenerateRequest(_Request):
     """SGLang POST /generate: exactly one of `text` or `input_ids`, `sampling_params`, `stream`."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}}]})
 
     text: Optional[str] = None
     input_ids: Optional[list[StrictInt]] = None
@@ -394,6 +473,9 @@ class GenerateRequest(_Request):
     cache_salt: Optional[str] = None
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
+    message_offsets: Optional[list[StrictInt]] = None
+
+    _id_limits = field_validator("rid", "cache_salt", "session_id")(_check_id)
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":

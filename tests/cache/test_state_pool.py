@@ -52,10 +52,64 @@ def test_radix_checkpoints_split_evict_and_count():
     assert (found.state_checkpoint, depth) == (slot, 10)
     radix.check_integrity()
     states.check_integrity(cached=radix.num_checkpoints(), in_use=0)
-    # locked: not evictable; unlocked: evicted with its node, the state slot freed
+    # a lock does not protect a checkpoint (a running request copied it at admission), a pin does
     radix.lock(found)
+    states.allocator.incref(torch.tensor([slot]))
     assert radix.evict_checkpoints(1) == 0
-    radix.unlock(found)
+    states.free([slot])
     assert radix.evict_checkpoints(1) == 1
+    radix.unlock(found)
     assert radix.num_checkpoints() == 0 and states.allocator.num_free == 4
+    assert radix.match_prefix(list(range(10)), None).length == 10      # the K/V stays
+    radix.check_integrity()
+    # a node evicted for its K/V takes its checkpoint with it
+    radix.set_checkpoint(found, states.alloc_one())
+    assert radix.evict(10) == 10 and radix.num_checkpoints() == 0 and states.allocator.num_free == 4
+    radix.check_integrity()
+
+
+def tree_with_checkpoints(depths, tokens=40, states_slots=16):
+    """One path of `tokens` tokens with a checkpoint at each depth; (radix, states, {depth: node})."""
+    kv, states = SlotAllocator(64), StatePool(states_slots, 1, LIN)
+    radix = RadixCache(kv, states.allocator)
+    radix.insert(list(range(tokens)), kv.alloc(tokens), "ns")
+    nodes = {}
+    for depth in depths:
+        node = radix.match_prefix(list(range(depth)), "ns").node
+        radix.set_checkpoint(node, states.alloc_one())
+        nodes[depth] = node
+    return radix, states, nodes
+
+
+def remaining(radix):
+    return sorted(c.depth for c in radix.checkpoint_candidates())
+
+
+def test_candidates_know_their_neighbours():
+    radix, states, _ = tree_with_checkpoints([4, 10, 12, 30])
+    radix.insert(list(range(10)) + [99] * 6, radix.allocator.alloc(16), "ns")   # a branch below 10
+    radix.set_checkpoint(radix.match_prefix(list(range(10)) + [99] * 6, "ns").node, states.alloc_one())
+    by_depth = {(c.depth, c.next_depth): c.prev_depth for c in radix.checkpoint_candidates()}
+    assert by_depth == {(4, 10): 0, (10, 12): 4, (12, 30): 10, (30, None): 12, (16, None): 10}
+
+
+def test_thinning_keeps_the_path_even_and_its_end_last():
+    radix, states, _ = tree_with_checkpoints([5, 10, 12, 20, 30, 40])
+    assert radix.thin_checkpoints(4) == 2
+    # costs (c - p) * (n - c): 5: 5*5, 10: 5*2, 12: 2*8, 20: 8*10, 30: 10*10 -> 10 goes, then 5 (5*7 < 12's 7*8)
+    assert remaining(radix) == [12, 20, 30, 40]
+    assert radix.thin_checkpoints(1) == 3
+    assert remaining(radix) == [40]                 # the path's end (appends land after it) stays last
+    states.check_integrity(cached=radix.num_checkpoints(), in_use=0)
+    radix.check_integrity()
+
+
+def test_thinning_takes_least_recently_used_paths_first():
+    radix, states, _ = tree_with_checkpoints([8, 16])
+    radix.insert([7] * 20, radix.allocator.alloc(20), "ns")
+    for depth in (10, 20):
+        radix.set_checkpoint(radix.match_prefix([7] * depth, "ns").node, states.alloc_one())
+    radix.match_prefix(list(range(40)), "ns")       # the first path is used again
+    radix.thin_checkpoints(2)
+    assert remaining(radix) == [8, 16]
     radix.check_integrity()

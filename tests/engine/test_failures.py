@@ -201,7 +201,7 @@ HYBRID_CULPRIT = ids(40, 42)
 
 def hybrid_run(hybrid_dir, failpoints=None):
     """Two requests decode while a third joins their batch; outputs (tokens, logprobs) by rid."""
-    engine = build_engine(EngineConfig(model=hybrid_dir, reuse=SCR.replace(enabled=False, checkpoint_every=16)),
+    engine = build_engine(EngineConfig(model=hybrid_dir, reuse=SCR.replace(enabled=False, checkpoint_policy="every:16")),
                           failpoints=failpoints)
     for rid, prompt in HYBRID_PROMPTS.items():
         engine.add_request(prompt, GREEDY, rid=rid)

@@ -14,7 +14,7 @@ from kvsplice.engine.llm import build_engine
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
-SCR = ReuseConfig(match_min_tokens=16, min_span=8, tail=2, max_spans=6, checkpoint_every=16)
+SCR = ReuseConfig(match_min_tokens=16, min_span=8, tail=2, max_spans=6, checkpoint_policy="every:16")
 NO_SCR = SCR.replace(enabled=False)
 
 

@@ -217,7 +217,7 @@ def test_penalties_change_greedy_output(client):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", "pattern"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
     ({"functions": [{"name": "f"}]}, "functions", "use tools"),
-    ({"logit_bias": {"999999": 5}}, None, "outside the vocabulary"),
+    ({"logit_bias": {"999999": 5}}, "logit_bias", "outside the vocabulary"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(server, body, param, needle):
     response = post(server, body)

@@ -22,7 +22,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 # A value for each field (plus the fields it needs), accepted when the field is supported or
 # ignored, refused when it is refused; for default-only fields (default value, another value).
 ACCEPTED = {
-    "messages": {}, "prompt": {}, "model": {"model": None},
+    "messages": {}, "prompt": {}, "model": {"model": None}, "message_offsets": {"message_offsets": [0]},
     "frequency_penalty": {"frequency_penalty": 0.5}, "presence_penalty": {"presence_penalty": -0.5},
     "repetition_penalty": {"repetition_penalty": 1.2}, "logit_bias": {"logit_bias": {"5": 1.5}},
     "logprobs": None, "top_logprobs": {"logprobs": True, "top_logprobs": 2},
@@ -47,6 +47,7 @@ ACCEPTED = {
     "cache_salt": {"cache_salt": "salt"}, "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
 }
 REFUSED = {
+    "message_offsets": [0],
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f"}], "function_call": "auto",
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
     "web_search_options": {}, "moderation": {"model": "x"}, "suffix": "tail",
