@@ -113,6 +113,34 @@ BENCHMARKS = (
               "model on the same turns, and the state slots each keeps. Token counts only. Goal: with message "
               "checkpoints a hybrid's edited turn prefills no more than the dense model's, plus the checkpoint "
               "granularity."),
+    Benchmark("weight_formats", "Weight formats: fidelity against the fp32 model", "fast decode",
+              "python benchmarks/weight_formats.py",
+              "Each --dtype / --weight-format on the built-in edit cases (1.5K-4K-token agent chats, whole prompt "
+              "computed): KL(fp32 dense || format) over the last 32 prompt positions, top-1 agreement, greedy "
+              "agreement over 32 tokens. For comparison, SCR's own mean KL is 0.00145 nats."),
+    Benchmark("step_cost", "Step cost with prefill next to a decode: the step-budget defaults", "fast decode",
+              "python benchmarks/step_cost.py",
+              "One request decodes at a 2,000-token context while another prefills: CPU time of a step for each "
+              "prefill share, as a multiple of a decode-only step (what --step-budget-ratio lets through)."),
+    Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
+              "python benchmarks/vs_llamacpp.py --out runs/vs_llamacpp.json",
+              "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold prefill "
+              "(2K, 8K), decode tokens/s for 1 stream and 8 streams aggregate (llama-server -np 8), inter-token "
+              "latency of a decoding stream while 4 others prefill 2K-token prompts, TTFT of edited turns (SCR "
+              "against --cache-reuse 16) and the wall time of whole agent turns (synthetic trace: tool calls, "
+              "edits, 100-400 output tokens). Goals: decode x1 >= 1.0x, x8 >= 1.5x, loaded ITL p99 <= 3x the "
+              "1-stream ITL, agent turn <= 0.5x llama-server's, cold prefill >= 3x, edited TTFT >= 5x."),
+    Benchmark("structured_outputs", "Structured outputs: the grammar mask's cost per decode step", "agent API",
+              "python benchmarks/structured_outputs.py --mask-only --batch 1 8 --out runs/structured_outputs.json",
+              "Grammar-constrained decoding (xgrammar) on the default model's vocabulary: the time per decode step "
+              "of filling the grammar bitmask of B rows and masking their logits, against the sampler's own time "
+              "on the same logits, along valid json_schema replies. Without --mask-only the script also times "
+              "whole decodes with and without a constraint and checks 50 varied strict json_schema replies."),
+    Benchmark("agent_loop", "An agent loop through the openai client and LangChain", "agent API",
+              "python examples/agent_loop.py",
+              "Two tool-calling turns (tool_choice required) and a final answer after the agent drops its first "
+              "tool result, on the default model, through the openai client and through LangChain's ChatOpenAI: "
+              "where each turn's prompt K/V came from. The edited turn must relocate tokens."),
 )
 
 

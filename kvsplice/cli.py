@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+from kvsplice.config import WEIGHT_FORMAT_CHOICES
 from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, ReuseConfig
 
 BAD_INPUT = 2
@@ -43,7 +44,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "--model-path", dest="model", default=None,
                         help="HF model dir, GGUF file, llama2.c .bin or hub id (default: SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    group.add_argument("--dtype", default="auto",
+                       help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has "
+                            "native bf16 matmul, avx512_bf16 / amx_bf16, else float32)")
+    group.add_argument("--weight-format", default=None, choices=WEIGHT_FORMAT_CHOICES,
+                       help="projection / lm_head weights: auto (int4 where the checkpoint already is int4 "
+                            "data, e.g. a Q4_0 / Q4_1 GGUF, with bf16), dense, int8, int4 (default auto)")
+    group.add_argument("--no-fast-path", action="store_true",
+                       help="run every step on the reference Decoder (no fused / packed fast path)")
+    group.add_argument("--decode-arena-tokens", type=int, default=None,
+                       help="bound (tokens) of the contiguous K/V copies of decoding requests; 0 = off")
+    group.add_argument("--step-budget-ratio", type=float, default=None,
+                       help="while requests decode, size each step's prefill share so that the step takes "
+                            "about this many times a decode-only step (default 2.5)")
+    group.add_argument("--min-prefill-tokens", type=int, default=None,
+                       help="prefill tokens every step carries at least, so prefill always progresses (default 16)")
     group.add_argument("--device", default="cpu", help="torch device (default cpu)")
     group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward")
@@ -78,9 +93,10 @@ def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     from kvsplice.config import EngineConfig
 
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
-                              "prefix_cache": not args.no_prefix_cache,
+                              "prefix_cache": not args.no_prefix_cache, "fast_path": not args.no_fast_path,
                               "reuse": reuse_config_from_args(args, environ)}
-    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots"):
+    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots",
+                 "weight_format", "decode_arena_tokens", "step_budget_ratio", "min_prefill_tokens"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
@@ -149,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replica-name", default=None, help="name put in every request log line")
     serve.add_argument("--reasoning-parser", action="store_true",
                        help="move <think>...</think> blocks of replies into reasoning_content")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="tool-call syntax of the model, by vLLM's names: hermes | llama3_json | mistral "
+                            "(default: detected from the chat template; hermes when it has none)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) used instead of the model's")
     serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     add_security_args(serve)
     add_limit_args(serve)
@@ -183,8 +204,20 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--api-key / KVSPLICE_API_KEY: {exc}") from None
     settings = ServerSettings(model_path=args.model, served_model_names=names, replica_name=args.replica_name,
                               reasoning_parser=args.reasoning_parser, host=args.host, port=args.port,
-                              api_keys=api_keys, limits=limits, expose_model_path=args.expose_model_path)
+                              api_keys=api_keys, limits=limits, expose_model_path=args.expose_model_path,
+                              **_chat_settings(args))
     return serve(config, settings, log_level=args.log_level)
+
+
+def _chat_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """--tool-call-parser and --chat-template, checked before the model loads (ValueError if bad)."""
+    from kvsplice.server.chat import load_chat_template
+    from kvsplice.server.tool_parsers import get_parser
+
+    if args.tool_call_parser is not None:
+        get_parser(args.tool_call_parser)
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    return {"tool_call_parser": args.tool_call_parser, "chat_template": template}
 
 
 def _generate(args: argparse.Namespace) -> int:

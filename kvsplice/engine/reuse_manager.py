@@ -21,7 +21,8 @@ with the reason recorded in the request's ReuseStats. So does an exception while
 (session match, prefix match, diff, plan, validation: fallback "error", logged with its
 traceback), since planning takes no slot and prefix caching serves the prompt exactly. An
 exception once slots are taken (allocation, relocation) propagates: the engine fails the request
-and frees what it holds.
+and frees what it holds. A request for
+prompt logprobs computes every position (fallback "prompt_logprobs") but still updates its session.
 
 Hybrid models: full-attention layers relocate as above; linear layers cannot (their state is not
 per token), so they compute the same offsets in order, segment by segment, and before each
@@ -138,7 +139,7 @@ class ReuseManager:
 
     def _admit(self, req: Req, update_stats: bool) -> bool:
         scr = req.scr
-        if scr is None or req.wants_prompt_logprobs:
+        if scr is None:
             return self._admit_plain(req, update_stats, "off", PlanResult(None, None, None))
         try:
             match, result = self._plan(req, scr)
@@ -157,6 +158,11 @@ class ReuseManager:
         self._failpoint("match", req)
         if scr.session is None:
             self._attach_session(req, scr)
+        if req.wants_prompt_logprobs:
+            # the logprob of prompt token o + 1 needs the logits at offset o, for every o: each
+            # position is computed, so none can come from the radix tree or be relocated. The turn
+            # still belongs to its session (all its K/V is exact), so the next turn can relocate.
+            return None, PlanResult(None, "prompt_logprobs", None)
         session = scr.session
         if session.payload is None:
             # a new session says why nothing matched; a matched one whose K/V is not there yet

@@ -33,7 +33,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -53,7 +53,9 @@ from kvsplice.sampling_params import SamplingParams
 from kvsplice.server import protocol as p
 from kvsplice.server.auth import ApiKeys, AuthMiddleware, refuse_browser_request, request_owner
 from kvsplice.server.body import parse_request
-from kvsplice.server.chat import ReasoningStream, chat_message_offsets, chat_prompt_ids, split_reasoning
+from kvsplice.server.chat import ChatRenderer, ChatTemplateError
+from kvsplice.server.choices import Choice, merge, start_choices, usage_totals
+from kvsplice.server.constraints import ConstraintError, reply_constraint
 from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, bad_request, bind_request_id, error_body,
                                     internal_error, validation_message)
 from kvsplice.server.limits import RequestLimits
@@ -61,9 +63,13 @@ from kvsplice.server.metrics import RequestObservation, ServerMetrics
 from kvsplice.server.model_names import served_names
 from kvsplice.server.openapi import error_responses, install_openapi, json_request_body
 from kvsplice.server.replica import install_router_routes, request_session_id
+from kvsplice.server.replies import ReplyFormat
 from kvsplice.server.request_log import RequestLog, request_record
 from kvsplice.server.snapshots import SnapshotCache
 from kvsplice.server.tokenization import DetokenizeRequest, TokenizeRequest, check_token_ids, detokenize, tokenize
+from kvsplice.server.tool_parsers import get_parser
+from kvsplice.server.tools import ToolPlan, ToolRequestError, plan_tools
+from kvsplice.structured.spec import StructuredSpec
 from kvsplice.server.workers import WorkerPool
 
 RETRY_AFTER_S = 1
@@ -84,15 +90,19 @@ class ServerSettings:
     """Server-level options. `model_path`: the --model the model was loaded from (None: the default
     model). `served_model_names`: the names to serve under (the first is reported; empty: derived from
     the model, see model_names.py). `reasoning_parser`: move `<think>` blocks of replies into
-    `reasoning_content`. `api_keys`: the accepted keys (none: no authentication). `limits`: per-request
-    bounds (context-derived defaults are filled in from the model). `expose_model_path`: show `model_path`
-    in /get_server_info, /get_model_info and /v1/models (by default they name the served model, not a
-    filesystem path). `prep_threads`: worker threads for parsing, templates and tokenization."""
+    `reasoning_content`. `tool_call_parser`: the tool-call syntax by vLLM name (None: detected from the
+    chat template). `chat_template`: a template that replaces the model's (its text). `api_keys`: the
+    accepted keys (none: no authentication). `limits`: per-request bounds (context-derived defaults are
+    filled in from the model). `expose_model_path`: show `model_path` in /get_server_info,
+    /get_model_info and /v1/models (by default they name the served model, not a filesystem path).
+    `prep_threads`: worker threads for parsing, templates and tokenization."""
 
     model_path: Optional[str] = None
     served_model_names: tuple[str, ...] = ()
     replica_name: Optional[str] = None
     reasoning_parser: bool = False
+    tool_call_parser: Optional[str] = None
+    chat_template: Optional[str] = None
     host: Optional[str] = None
     port: Optional[int] = None
     extra_info: dict[str, Any] = field(default_factory=dict)
@@ -116,6 +126,12 @@ class ServerState:
         self.names = served_names(settings.served_model_names, settings.model_path, engine.name)
         self.metrics = ServerMetrics(self.names.primary, settings.replica_name, engine.max_model_len)
         self.created = int(time.time())
+        parser = get_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+        self.chat = ChatRenderer(engine.tokenizer, settings.chat_template, parser)
+        backend = engine.tokenizer.backend
+        self.vocab = backend.get_vocab() if hasattr(backend, "get_vocab") else None
+        self.special_tokens = frozenset(token.content for token in getattr(backend, "added_tokens_decoder", {}).values()
+                                        if token.special)
         self.limits = settings.limits.resolve(self.context_limit)
         self.workers = WorkerPool(settings.prep_threads)
         self.snapshots = SnapshotCache(self.async_engine)
@@ -186,23 +202,62 @@ def _check_prompt_ids(state: ServerState, prompt_ids: list[int], param: str) -> 
         raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
 
-def _sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],
-              prompt_logprobs: Optional[int]) -> SamplingParams:
-    """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1)."""
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if fields.temperature is None else fields.temperature,
-        top_p=1.0 if fields.top_p is None else fields.top_p,
-        top_k=fields.top_k if fields.top_k not in (None, 0, -1) else None,
-        min_p=fields.min_p or 0.0,
-        seed=fields.seed,
-        stop=fields.stop or (),
-        stop_token_ids=tuple(fields.stop_token_ids or ()),
-        ignore_eos=fields.ignore_eos,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=fields.skip_special_tokens,
-    )
+def _sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int],
+              structured: Optional[StructuredSpec] = None, keep_special_tokens: bool = False) -> SamplingParams:
+    """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1); an invalid
+    combination is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if fields.temperature is None else fields.temperature,
+            top_p=1.0 if fields.top_p is None else fields.top_p,
+            top_k=fields.top_k if fields.top_k not in (None, 0, -1) else None,
+            min_p=fields.min_p or 0.0,
+            seed=fields.seed,
+            stop=fields.stop or (),
+            stop_token_ids=tuple(fields.stop_token_ids or ()),
+            ignore_eos=fields.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=fields.skip_special_tokens and not keep_special_tokens,
+            presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+            logit_bias=fields.logit_bias or (),
+            min_tokens=fields.min_tokens,
+            structured=structured,
+        )
+    except ValueError as error:
+        name = str(error).split(":")[0].split(" ")[0]
+        raise ApiError(400, str(error), param=name if name in type(fields).model_fields else None) from error
+
+
+async def _compile(state: ServerState, spec: Optional[StructuredSpec], param: str) -> None:
+    """Compile `spec` in a worker thread (the engine's compile is then a cache hit): a constraint
+    that cannot compile is a 400 before the request is queued."""
+    if spec is None:
+        return
+    try:
+        await state.workers.run(state.engine.grammars.compile, spec)
+    except ValueError as error:
+        raise ApiError(400, str(error), param=param) from error
+
+
+def _reply_plan(state: ServerState, body: p.ChatCompletionRequest) -> tuple[ToolPlan, Optional[StructuredSpec], str]:
+    """The request's ToolPlan, the constraint on its reply, and the field that constraint came from."""
+    try:
+        tools = plan_tools(body, state.chat.parser, state.vocab, state.special_tokens)
+        return tools, reply_constraint(body, tools.forced), "tools" if tools.forced else _constraint_field(body)
+    except (ToolRequestError, ConstraintError) as error:
+        raise ApiError(400, str(error), param=error.param) from error
+
+
+def _constraint_field(body: p._SamplingFields) -> str:
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs"):
+        if getattr(body, name) is not None:
+            return name
+    return "response_format"
 
 
 # ----- running one request -----------------------------------------------------------------------------
@@ -409,60 +464,79 @@ def _legacy_logprobs(tokenizer, lps, first_offset: int) -> dict[str, Any]:
 # ----- handlers ----------------------------------------------------------------------------------------
 
 
+async def _start_request(state: ServerState, request: Request, body, endpoint: str, rid: str,
+                         prompt_ids: list[int], params: SamplingParams, n: int,
+                         message_offsets: Optional[Sequence[int]]) -> tuple[list[Choice], Optional[_Tracker]]:
+    """Submit the request's `n` choices (choices.py: n > 1 prefills the prompt once, then shares it)."""
+    session_id = _session_id(state, body, request)
+    extras = {**_extras(body, session_id, request), "message_offsets": message_offsets}
+
+    async def start(suffix: str, choice_params: SamplingParams):
+        tracker = _Tracker(rid + suffix, endpoint, session_id)
+        return tracker, await _start(state, tracker, prompt_ids, choice_params, extras)
+
+    return await start_choices(start, lambda outputs: _collect(request, outputs), params, n)
+
+
+def _choices_usage(choices: list[Choice], prefill: Optional[_Tracker], completion_tokens: Optional[int] = None):
+    first, completion = usage_totals(choices, prefill)
+    return _usage(first, completion if completion_tokens is None else completion_tokens)
+
+
 async def _chat(state: ServerState, request: Request, body: p.ChatCompletionRequest) -> Response:
     rid = bind_request_id(request, f"chatcmpl-{uuid.uuid4().hex}")
     _check_model(state, body.model)
     if body.max_tokens == 0:
         raise ApiError(400, "max_tokens: must be >= 1 for chat completions", param="max_tokens")
-    prompt_ids = await state.workers.run(chat_prompt_ids, state.engine.tokenizer, body.messages, body.tools)
+    tools, constraint, constraint_param = _reply_plan(state, body)
+    await _compile(state, constraint, constraint_param)
+    try:
+        prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools,
+                                             body.chat_template_kwargs)
+    except ChatTemplateError as error:
+        raise ApiError(400, str(error), param=error.param) from error
     max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
     top_n = body.top_logprobs or 0
-    params = _sampling(body, max_tokens, top_n if body.logprobs else None, None)
-    session_id = _session_id(state, body, request)
-    tracker = _Tracker(rid, "chat", session_id)
-    offsets = await state.workers.run(chat_message_offsets, state.engine.tokenizer, body.messages, prompt_ids,
-                                      body.tools) if state.wants_message_offsets else None
-    outputs = await _start(state, tracker, prompt_ids, params,
-                           {**_extras(body, session_id, request), "message_offsets": offsets})
+    params = _sampling(body, max_tokens, top_n if body.logprobs else None, None, constraint, tools.keep_special_tokens)
+    offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
+                                      body.chat_template_kwargs) if state.wants_message_offsets else None
+    choices, prefill = await _start_request(state, request, body, "chat", rid, prompt_ids, params, body.n, offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     tokenizer = state.engine.tokenizer
+    fmt = ReplyFormat(state.settings.reasoning_parser, tools, state.chat.parser)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(state, outputs, head, tokenizer, top_n, body.logprobs, include_usage),
+        return StreamingResponse(_chat_stream(choices, prefill, head, tokenizer, top_n, body.logprobs, include_usage, fmt),
                                  media_type="text/event-stream")
-    await _collect(request, outputs)
-    last = tracker.last
-    text = "".join(o.new_text for o in tracker.outputs)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if state.settings.reasoning_parser:
-        split = split_reasoning(text)
-        message.update(content=split.content, reasoning_content=split.reasoning_content)
-    lps = [lp for o in tracker.outputs for lp in o.logprobs]
-    choice = {"index": 0, "message": message, "finish_reason": last.finish_reason,
-              "logprobs": _chat_logprobs(tokenizer, lps, top_n) if body.logprobs else None}
-    return JSONResponse({**head, "object": "chat.completion", "choices": [choice], "usage": _usage(last)})
+    await _collect(request, merge(choices))
+    out = []
+    for choice in choices:
+        outputs = choice.tracker.outputs
+        message, reason = fmt.message("".join(o.new_text for o in outputs), choice.tracker.last.finish_reason)
+        lps = [lp for o in outputs for lp in o.logprobs]
+        out.append({"index": choice.index, "message": message, "finish_reason": reason,
+                    "logprobs": _chat_logprobs(tokenizer, lps, top_n) if body.logprobs else None})
+    return JSONResponse({**head, "object": "chat.completion", "choices": out, "usage": _choices_usage(choices, prefill)})
 
 
-async def _chat_stream(state: ServerState, outputs: AsyncIterator[RequestOutput], head: dict[str, Any], tokenizer,
-                       top_n: int, want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_stream(choices: list[Choice], prefill: Optional[_Tracker], head: dict[str, Any], tokenizer,
+                       top_n: int, want_logprobs: bool, include_usage: bool, fmt: ReplyFormat) -> AsyncIterator[str]:
     chunk_head = {**head, "object": "chat.completion.chunk"}
-    reasoning = ReasoningStream() if state.settings.reasoning_parser else None
-    last = None
-    yield _sse({**chunk_head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]})
+    streams = [fmt.stream() for _ in choices]
+    outputs = merge(choices)
     try:
-        async for out in outputs:
-            last = out
-            delta: dict[str, Any] = {"content": out.new_text}
-            if reasoning is not None:
-                thought, content = reasoning.feed(out.new_text, final=out.finished)
-                delta = {"content": content} | ({"reasoning_content": thought} if thought else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": out.finish_reason if out.finished else None,
-                      "logprobs": _chat_logprobs(tokenizer, out.logprobs, top_n) if want_logprobs else None}
-            if delta.get("content") or delta.get("reasoning_content") or out.finished or choice["logprobs"]:
-                yield _sse({**chunk_head, "choices": [choice]})
-        if include_usage and last is not None:
-            yield _sse({**chunk_head, "choices": [], "usage": _usage(last)})
+        for choice in choices:
+            yield _sse({**chunk_head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+        async for index, out in outputs:
+            delta = streams[index].feed(out.new_text, final=out.finished)
+            reason = streams[index].finish_reason(out.finish_reason) if out.finished else None
+            logprobs = _chat_logprobs(tokenizer, out.logprobs, top_n) if want_logprobs else None
+            if delta or out.finished or logprobs:
+                yield _sse({**chunk_head, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
+                                                       "logprobs": logprobs}]})
+        if include_usage:
+            yield _sse({**chunk_head, "choices": [], "usage": _choices_usage(choices, prefill)})
     except Exception as exc:  # ApiError from the engine, or a failure: an error event, then [DONE]
         yield _stream_error(head["id"], exc)
     finally:
@@ -480,65 +554,69 @@ async def _completion(state: ServerState, request: Request, body: p.CompletionRe
         raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
     if body.echo and body.stream:
         raise ApiError(400, "echo is not supported with stream=true", param="echo")
+    try:
+        constraint = reply_constraint(body)
+    except ConstraintError as error:
+        raise ApiError(400, str(error), param=error.param) from error
+    await _compile(state, constraint, _constraint_field(body))
     score_only = body.max_tokens == 0
     # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
     max_tokens = _max_tokens(state, len(prompt_ids), 1 if score_only else body.max_tokens, "prompt")
     _check_prompt_ids(state, prompt_ids, "prompt")
     prompt_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
-    params = _sampling(body, max_tokens, body.logprobs, prompt_lps)
-    session_id = _session_id(state, body, request)
-    tracker = _Tracker(rid, "completions", session_id)
+    params = _sampling(body, max_tokens, body.logprobs, prompt_lps, constraint)
     offsets = _message_offsets(body.message_offsets, len(prompt_ids))
-    outputs = await _start(state, tracker, prompt_ids, params,
-                           {**_extras(body, session_id, request), "message_offsets": offsets})
+    choices, prefill = await _start_request(state, request, body, "completions", rid, prompt_ids, params, body.n,
+                                            offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(outputs, head, tokenizer, body.logprobs is not None,
+        return StreamingResponse(_completion_stream(choices, prefill, head, tokenizer, body.logprobs is not None,
                                                     include_usage), media_type="text/event-stream")
-    await _collect(request, outputs)
+    await _collect(request, merge(choices))
     # echo + logprobs grows with the prompt: build and render the answer off the loop
     return await state.workers.run(lambda: JSONResponse(
-        _completion_body(tracker, head, tokenizer, prompt, prompt_ids, body, score_only)))
+        _completion_body(choices, prefill, head, tokenizer, prompt, prompt_ids, body, score_only)))
 
 
-def _completion_body(tracker: _Tracker, head: dict[str, Any], tokenizer, prompt, prompt_ids: list[int],
-                     body: p.CompletionRequest, score_only: bool) -> dict[str, Any]:
-    last = tracker.last
-    outs = [] if score_only else tracker.outputs
-    text = "".join(o.new_text for o in outs)
-    gen_lps = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
+def _completion_body(choices: list[Choice], prefill: Optional[_Tracker], head: dict[str, Any], tokenizer, prompt,
+                     prompt_ids: list[int], body: p.CompletionRequest, score_only: bool) -> dict[str, Any]:
+    first = prefill or choices[0].tracker
+    prompt_lps = next((o.prompt_logprobs for o in first.outputs if o.prompt_logprobs), None)
     prompt_text = ""
-    entries: list = []
     if body.echo:
         prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-        if body.logprobs is not None:
-            prompt_lps = next((o.prompt_logprobs for o in tracker.outputs if o.prompt_logprobs), None)
-            prompt_lps = prompt_lps or (None,) * len(prompt_ids)
-            entries = list(zip(prompt_ids, prompt_lps))
-    logprobs = _legacy_logprobs(tokenizer, entries + gen_lps, 0) if body.logprobs is not None else None
-    choice = {"index": 0, "text": prompt_text + text, "logprobs": logprobs,
-              "finish_reason": "length" if score_only else last.finish_reason}
-    usage = _usage(last, 0 if score_only else None)
-    return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
+    out = []
+    for choice in choices:
+        outs = [] if score_only else choice.tracker.outputs
+        text = "".join(o.new_text for o in outs)
+        gen_lps = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
+        entries: list = []
+        if body.echo and body.logprobs is not None:
+            entries = list(zip(prompt_ids, prompt_lps or (None,) * len(prompt_ids)))
+        logprobs = _legacy_logprobs(tokenizer, entries + gen_lps, 0) if body.logprobs is not None else None
+        out.append({"index": choice.index, "text": prompt_text + text, "logprobs": logprobs,
+                    "finish_reason": "length" if score_only else choice.tracker.last.finish_reason})
+    usage = _choices_usage(choices, prefill, 0 if score_only else None)
+    return {**head, "object": "text_completion", "choices": out, "usage": usage}
 
 
-async def _completion_stream(outputs: AsyncIterator[RequestOutput], head: dict[str, Any], tokenizer,
+async def _completion_stream(choices: list[Choice], prefill: Optional[_Tracker], head: dict[str, Any], tokenizer,
                              want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
     chunk_head = {**head, "object": "text_completion"}
-    last, offset = None, 0
+    offsets = [0] * len(choices)
+    outputs = merge(choices)
     try:
-        async for out in outputs:
-            last = out
+        async for index, out in outputs:
             logprobs = None
             if want_logprobs:
-                logprobs = _legacy_logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offset)
-            offset += len(out.new_text)
+                logprobs = _legacy_logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index])
+            offsets[index] += len(out.new_text)
             if out.new_text or out.finished or logprobs:
-                yield _sse({**chunk_head, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
+                yield _sse({**chunk_head, "choices": [{"index": index, "text": out.new_text, "logprobs": logprobs,
                                                        "finish_reason": out.finish_reason if out.finished else None}]})
-        if include_usage and last is not None:
-            yield _sse({**chunk_head, "choices": [], "usage": _usage(last)})
+        if include_usage:
+            yield _sse({**chunk_head, "choices": [], "usage": _choices_usage(choices, prefill)})
     except Exception as exc:  # ApiError from the engine, or a failure: an error event, then [DONE]
         yield _stream_error(head["id"], exc)
     finally:

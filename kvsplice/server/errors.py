@@ -92,6 +92,8 @@ def validation_message(errors: Iterable[Mapping[str, Any]]) -> tuple[str, Option
             parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field, not supported by this server (docs/COMPATIBILITY.md lists the fields)"
         if not loc and param_in_message(msg):  # a model-level check that names its field itself
             loc = tuple(param_in_message(msg).split("."))
             msg = msg[_FIELD_PREFIX.match(msg).end():]
