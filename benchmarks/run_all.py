@@ -46,10 +46,23 @@ BENCHMARKS = (
               "python benchmarks/serve_load.py --out runs/serve_load.json",
               "32 concurrent streaming chat clients, 4 turns each, against `kvsplice serve` on the default model: "
               "errors (must be 0), throughput, TTFT p50/p99, and the share of prompt tokens served from cache."),
+    Benchmark("soak", "Soak: hostile and ordinary traffic against one server", "reliability",
+              "python benchmarks/soak.py --duration 150 --out runs/soak.json",
+              "One `kvsplice serve` (default model, two API keys) under mixed traffic for a fixed time: agent turns "
+              "with edits, streams dropped mid-way, clients that give up, hostile requests. Requests by action and "
+              "status, 5xx (must be 0), RSS and its growth per 1,000 requests, slots in use when idle (SCR "
+              "sessions' private K/V) and after /flush_cache (must be 0). The full run is `--duration 900` (the "
+              "default)."),
     Benchmark("scr_plan_speed", "SCR planning cost: match + diff + plan", "SCR",
               "python benchmarks/scr_plan_speed.py",
               "The pure-Python SCR front half (session match over 16 sessions sharing a system prompt, token diff, "
               "span plan) for 8K, 32K and 128K-token sequences with a realistic edit."),
+    Benchmark("match_cost", "Session matching at scale: 1,000 sessions, 8K and 128K prompts", "session matching",
+              "python benchmarks/match_cost.py",
+              "Header-free session matching with 1,000 tracked sessions sharing a 2K-token system prompt: match "
+              "(fingerprints, index lookup, diff verification) + plan for an edited 8K and 128K-token conversation, "
+              "against the prefill of 8K tokens on the default model in the same script; index memory per "
+              "session. Goals: under 50 ms at 128K on 2 cores, under 5% of the prefill at 8K."),
     Benchmark("scr_edit", "SCR on edited turns: computed tokens and TTFT", "SCR",
               "python benchmarks/scr_edit.py --out runs/scr_edit.json",
               "Multi-turn edited conversations on the default model, same server run: prompt tokens computed per "
@@ -85,6 +98,14 @@ BENCHMARKS = (
               "The same synthetic context-editing agent trace replayed against two servers (SCR on, SCR off) on the "
               "default model; `kvsplice report RUN_ON --vs RUN_OFF`: prompt tokens by compute type for all and for "
               "edited turns, prefilled tokens, prefill FLOPs, TTFT."),
+    Benchmark("scr_replay_early", "Finding conversations without session ids: edits before token 1024",
+              "session matching",
+              "python benchmarks/scr_replay.py --edits early --runs ids,auto --conversations 10 --max-turns 8 "
+              "--out runs/scr_replay_early",
+              "The early-edit agent trace (every turn past 1,024 tokens edits its start: the system prompt's first "
+              "sentence, a moved message, the notes, reasoning blocks, the oldest result, two edits) replayed with "
+              "session ids and without: share of edited turns whose session was matched (goal 100%) and prefilled "
+              "tokens of both (goal: equal), with the fallback reasons of the misses."),
     Benchmark("hit_rate_sweep", "The hit rate is the workload", "report",
               "python benchmarks/hit_rate_sweep.py --out runs/sweep",
               "Concurrent agent conversations against one fixed KV pool: prefix hit rate, relocated share and TTFT "
@@ -112,6 +133,34 @@ BENCHMARKS = (
               "model on the same turns, and the state slots each keeps. Token counts only. Goal: with message "
               "checkpoints a hybrid's edited turn prefills no more than the dense model's, plus the checkpoint "
               "granularity."),
+    Benchmark("weight_formats", "Weight formats: fidelity against the fp32 model", "fast decode",
+              "python benchmarks/weight_formats.py",
+              "Each --dtype / --weight-format on the built-in edit cases (1.5K-4K-token agent chats, whole prompt "
+              "computed): KL(fp32 dense || format) over the last 32 prompt positions, top-1 agreement, greedy "
+              "agreement over 32 tokens. For comparison, SCR's own mean KL is 0.00145 nats."),
+    Benchmark("step_cost", "Step cost with prefill next to a decode: the step-budget defaults", "fast decode",
+              "python benchmarks/step_cost.py",
+              "One request decodes at a 2,000-token context while another prefills: CPU time of a step for each "
+              "prefill share, as a multiple of a decode-only step (what --step-budget-ratio lets through)."),
+    Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
+              "python benchmarks/vs_llamacpp.py --out runs/vs_llamacpp.json",
+              "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold prefill "
+              "(2K, 8K), decode tokens/s for 1 stream and 8 streams aggregate (llama-server -np 8), inter-token "
+              "latency of a decoding stream while 4 others prefill 2K-token prompts, TTFT of edited turns (SCR "
+              "against --cache-reuse 16) and the wall time of whole agent turns (synthetic trace: tool calls, "
+              "edits, 100-400 output tokens). Goals: decode x1 >= 1.0x, x8 >= 1.5x, loaded ITL p99 <= 3x the "
+              "1-stream ITL, agent turn <= 0.5x llama-server's, cold prefill >= 3x, edited TTFT >= 5x."),
+    Benchmark("structured_outputs", "Structured outputs: the grammar mask's cost per decode step", "agent API",
+              "python benchmarks/structured_outputs.py --mask-only --batch 1 8 --out runs/structured_outputs.json",
+              "Grammar-constrained decoding (xgrammar) on the default model's vocabulary: the time per decode step "
+              "of filling the grammar bitmask of B rows and masking their logits, against the sampler's own time "
+              "on the same logits, along valid json_schema replies. Without --mask-only the script also times "
+              "whole decodes with and without a constraint and checks 50 varied strict json_schema replies."),
+    Benchmark("agent_loop", "An agent loop through the openai client and LangChain", "agent API",
+              "python examples/agent_loop.py",
+              "Two tool-calling turns (tool_choice required) and a final answer after the agent drops its first "
+              "tool result, on the default model, through the openai client and through LangChain's ChatOpenAI: "
+              "where each turn's prompt K/V came from. The edited turn must relocate tokens."),
 )
 
 

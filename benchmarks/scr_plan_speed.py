@@ -1,8 +1,7 @@
 """Time the pure-Python SCR core per request: session match + token diff + span plan.
 
 Workload per size N (8K, 32K, 128K tokens): 16 sessions in the store, all sharing a 1500-token
-system prompt (so all 16 fall into one index bucket, the index's worst case), each with its own
-conversation. The request edits one conversation as an agent would: deletes a 2K-token middle
+system prompt, each with its own conversation (benchmarks/match_cost.py measures 1,000 sessions). The request edits one conversation as an agent would: deletes a 2K-token middle
 section, inserts a 50-token note in its place, and appends 200 new tokens.
 
     python benchmarks/scr_plan_speed.py [--repeats 5]

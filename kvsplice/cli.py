@@ -1,15 +1,15 @@
 """The `kvsplice` command: serve | generate | pull | bench | report | workload | fidelity.
 
     kvsplice serve [--model M | --model-path M] [--served-model-name NAME ...] [--host H] [--port P]
-                   [engine flags] [SCR flags]          (docs/SERVING.md lists every flag)
+                   [--api-key K ...] [limit flags] [engine flags] [SCR flags]   (docs/SERVING.md lists every flag)
     kvsplice generate [--model M] --prompt TEXT [--max-tokens N] [--temperature T] [--seed S] [--chat]
     kvsplice pull                      fetch and convert the default model
     kvsplice bench | report | workload (see kvsplice/bench/commands.py)
     kvsplice fidelity (see kvsplice/bench/fidelity.py)
 
 Engine flags mirror EngineConfig; SCR flags mirror `kvsplice.reuse.config.ENV_TABLE`. Precedence for SCR
-settings: command-line flag > KVREUSE_* environment variable > default. Bad input exits with status 2 and
-a message saying what is wrong.
+settings: command-line flag > KVREUSE_* environment variable > default; API keys: `--api-key` flags >
+KVSPLICE_API_KEY (comma-separated). Bad input exits with status 2 and a message saying what is wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+from kvsplice.config import WEIGHT_FORMAT_CHOICES
 from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, ReuseConfig
 
 BAD_INPUT = 2
@@ -43,7 +44,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "--model-path", dest="model", default=None,
                         help="HF model dir, GGUF file, llama2.c .bin or hub id (default: SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    group.add_argument("--dtype", default="auto",
+                       help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has "
+                            "native bf16 matmul, avx512_bf16 / amx_bf16, else float32)")
+    group.add_argument("--weight-format", default=None, choices=WEIGHT_FORMAT_CHOICES,
+                       help="projection / lm_head weights: auto (int4 where the checkpoint already is int4 "
+                            "data, e.g. a Q4_0 / Q4_1 GGUF, with bf16), dense, int8, int4 (default auto)")
+    group.add_argument("--no-fast-path", action="store_true",
+                       help="run every step on the reference Decoder (no fused / packed fast path)")
+    group.add_argument("--decode-arena-tokens", type=int, default=None,
+                       help="bound (tokens) of the contiguous K/V copies of decoding requests; 0 = off")
+    group.add_argument("--step-budget-ratio", type=float, default=None,
+                       help="while requests decode, size each step's prefill share so that the step takes "
+                            "about this many times a decode-only step (default 2.5)")
+    group.add_argument("--min-prefill-tokens", type=int, default=None,
+                       help="prefill tokens every step carries at least, so prefill always progresses (default 16)")
     group.add_argument("--device", default="cpu", help="torch device (default cpu)")
     group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward")
@@ -78,9 +93,10 @@ def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     from kvsplice.config import EngineConfig
 
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
-                              "prefix_cache": not args.no_prefix_cache,
+                              "prefix_cache": not args.no_prefix_cache, "fast_path": not args.no_fast_path,
                               "reuse": reuse_config_from_args(args, environ)}
-    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots"):
+    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots",
+                 "weight_format", "decode_arena_tokens", "step_budget_ratio", "min_prefill_tokens"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
@@ -91,6 +107,48 @@ def _check_model_arg(model: Optional[str]) -> None:
     """ValueError for a path-looking --model that does not exist (hub ids have no leading / or .)."""
     if model and model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
         raise ValueError(f"--model: {model} does not exist")
+
+
+def add_security_args(parser: argparse.ArgumentParser) -> None:
+    """--api-key (repeatable) and --expose-model-path."""
+    group = parser.add_argument_group("security (docs/SECURITY.md)")
+    group.add_argument("--api-key", action="append", dest="api_keys", default=None, metavar="KEY",
+                       help="accept requests with `Authorization: Bearer KEY` only (every route but the health "
+                            "probes, /metrics and /get_load); repeat for several tenants, each with its own cache "
+                            "namespace [env KVSPLICE_API_KEY, comma-separated; prefer it: flags show in ps]")
+    group.add_argument("--expose-model-path", action="store_true",
+                       help="show the model's filesystem path in /get_server_info, /get_model_info and /v1/models "
+                            "(by default they show the served model name)")
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """The per-request limits of RequestLimits (kvsplice.server.limits)."""
+    from kvsplice.server import limits
+
+    group = parser.add_argument_group("request limits (past them: 413 for the body, 400 otherwise)")
+    group.add_argument("--max-body-bytes", type=int, default=None,
+                       help=f"request body size (default: context tokens x {limits.BYTES_PER_TOKEN} + "
+                            f"{limits.BODY_OVERHEAD >> 20} MiB)")
+    group.add_argument("--max-messages", type=int, default=None,
+                       help="messages in one chat request (default: the context length in tokens)")
+    group.add_argument("--max-stop", type=int, default=limits.MAX_STOP,
+                       help=f"entries of `stop`, and of `stop_token_ids` (default {limits.MAX_STOP})")
+    group.add_argument("--max-stop-chars", type=int, default=limits.MAX_STOP_CHARS,
+                       help=f"characters of one stop string (default {limits.MAX_STOP_CHARS})")
+    group.add_argument("--max-id-chars", type=int, default=limits.MAX_ID_CHARS,
+                       help=f"characters of session_id, cache_salt, X-SMG-Routing-Key and rid "
+                            f"(default {limits.MAX_ID_CHARS})")
+    group.add_argument("--max-json-depth", type=int, default=limits.MAX_JSON_DEPTH,
+                       help=f"nesting of arrays and objects in a request body (default {limits.MAX_JSON_DEPTH})")
+
+
+def request_limits_from_args(args: argparse.Namespace):
+    """RequestLimits from the limit flags. ValueError for a value below 1."""
+    from kvsplice.server.limits import RequestLimits
+
+    return RequestLimits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_stop=args.max_stop,
+                         max_stop_chars=args.max_stop_chars, max_id_chars=args.max_id_chars,
+                         max_json_depth=args.max_json_depth)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replica-name", default=None, help="name put in every request log line")
     serve.add_argument("--reasoning-parser", action="store_true",
                        help="move <think>...</think> blocks of replies into reasoning_content")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="tool-call syntax of the model, by vLLM's names: hermes | llama3_json | mistral "
+                            "(default: detected from the chat template; hermes when it has none)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) used instead of the model's")
     serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    add_security_args(serve)
+    add_limit_args(serve)
     generate = sub.add_parser("generate", help="print one completion")
     add_engine_args(generate)
     generate.add_argument("--prompt", required=True)
@@ -123,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvsplice.server.api import ServerSettings
+    from kvsplice.server.auth import ApiKeys
     from kvsplice.server.launch import serve
     from kvsplice.server.model_names import check_served_names
 
@@ -131,9 +197,27 @@ def _serve(args: argparse.Namespace) -> int:
     _check_model_arg(args.model)
     config = engine_config_from_args(args, os.environ)
     names = check_served_names(args.served_model_name) if args.served_model_name is not None else ()
+    limits = request_limits_from_args(args)
+    try:
+        api_keys = ApiKeys.from_sources(args.api_keys, os.environ)
+    except ValueError as exc:
+        raise ValueError(f"--api-key / KVSPLICE_API_KEY: {exc}") from None
     settings = ServerSettings(model_path=args.model, served_model_names=names, replica_name=args.replica_name,
-                              reasoning_parser=args.reasoning_parser, host=args.host, port=args.port)
+                              reasoning_parser=args.reasoning_parser, host=args.host, port=args.port,
+                              api_keys=api_keys, limits=limits, expose_model_path=args.expose_model_path,
+                              **_chat_settings(args))
     return serve(config, settings, log_level=args.log_level)
+
+
+def _chat_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """--tool-call-parser and --chat-template, checked before the model loads (ValueError if bad)."""
+    from kvsplice.server.chat import load_chat_template
+    from kvsplice.server.tool_parsers import get_parser
+
+    if args.tool_call_parser is not None:
+        get_parser(args.tool_call_parser)
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    return {"tool_call_parser": args.tool_call_parser, "chat_template": template}
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from kvsplice.reuse.config import ReuseConfig
 
+WEIGHT_FORMAT_CHOICES = ("auto", "dense", "int8", "int4")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -23,6 +25,19 @@ class EngineConfig:
         request plus checkpoints and SCR sessions; None = a default from max_running and
         max_sessions. One slot of a large hybrid is big (all linear layers' conv and recurrent
         states), so size it to memory. Ignored for models without linear-attention layers.
+    dtype: "float32" | "bfloat16" | "float16", or "auto": bfloat16 where the CPU multiplies bf16
+        natively (avx512_bf16 / amx_bf16), float32 elsewhere (`kvsplice.engine.llm.resolve_auto_dtype`).
+    weight_format: "auto" | "dense" | "int8" | "int4" (`kvsplice.models.quantize`): the form of
+        the projection and lm_head weights; "auto" uses int4 only where the checkpoint already
+        is int4 data (a GGUF Q4_0 / Q4_1) and the activations are bf16.
+    fast_path: run eligible models through `kvsplice.models.fast_decode.FastDecoder` (fused,
+        packed, decode over the DecodeArena); False: the reference Decoder for every step.
+    decode_arena_tokens: bound of the DecodeArena (rows x capacity, tokens), the contiguous
+        copies of decoding requests' K/V; 0 disables it (decode rows gather from the pool).
+    step_budget_ratio: while requests decode, a step's prefill share is sized so that the step
+        takes about this many times a decode-only step (`kvsplice.engine.step_budget`).
+    min_prefill_tokens: prefill tokens every step carries at least (when there are any, and at
+        most max_batch_tokens), so prefill always progresses.
     """
 
     model: str | None = None
@@ -35,6 +50,11 @@ class EngineConfig:
     max_model_len: int | None = None
     prefix_cache: bool = True
     num_state_slots: int | None = None
+    weight_format: str = "auto"
+    fast_path: bool = True
+    decode_arena_tokens: int = 32_768
+    step_budget_ratio: float = 2.5
+    min_prefill_tokens: int = 16
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
 
     def __post_init__(self) -> None:
@@ -45,3 +65,11 @@ class EngineConfig:
             raise ValueError(f"num_state_slots must be >= 2, got {self.num_state_slots}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.weight_format not in WEIGHT_FORMAT_CHOICES:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMAT_CHOICES}, got {self.weight_format!r}")
+        if not 0 <= self.decode_arena_tokens <= 1 << 30:
+            raise ValueError(f"decode_arena_tokens must be in [0, 2^30], got {self.decode_arena_tokens}")
+        if not 1.0 <= self.step_budget_ratio <= 100.0:
+            raise ValueError(f"step_budget_ratio must be in [1, 100], got {self.step_budget_ratio}")
+        if not 1 <= self.min_prefill_tokens <= 1 << 20:
+            raise ValueError(f"min_prefill_tokens must be in [1, 2^20], got {self.min_prefill_tokens}")

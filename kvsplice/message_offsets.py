@@ -23,19 +23,27 @@ token ids; O(messages x prompt) tokenization, about 20x slower on 40-message age
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from kvsplice.tokenizer import Tokenizer
 
+# render(messages, add_generation_prompt) -> the chat's text; ValueError when the template rejects them
+Render = Callable[[Sequence[dict[str, Any]], bool], str]
 
-def _prefix_texts(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
-                  tools: Optional[list[dict[str, Any]]]) -> list[Optional[str]]:
+
+def _model_render(tokenizer: Tokenizer, tools: Optional[list[dict[str, Any]]]) -> Render:
+    """The model's own chat template over template-ready dicts."""
+    return lambda messages, add_generation_prompt: tokenizer.render_chat(
+        list(messages), tools, add_generation_prompt=add_generation_prompt)
+
+
+def _prefix_texts(render: Render, messages: Sequence[dict[str, Any]]) -> list[Optional[str]]:
     """render(messages[:k]) without the generation prompt for k = 1..len(messages), None where the
     template rejects the prefix (e.g. one that needs a user message)."""
     texts: list[Optional[str]] = []
     for k in range(1, len(messages) + 1):
         try:
-            texts.append(tokenizer.render_chat(list(messages[:k]), tools, add_generation_prompt=False))
+            texts.append(render(messages[:k], False))
         except ValueError:
             texts.append(None)
     return texts
@@ -60,29 +68,33 @@ def _token_starts(tokenizer: Tokenizer, text: str, prompt_ids: Sequence[int]) ->
 
 
 def message_offsets(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
-                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+                    tools: Optional[list[dict[str, Any]]] = None, render: Optional[Render] = None) -> list[int]:
     """Increasing offsets into `prompt_ids` (the chat rendered with the generation prompt) where messages
     1..n-1 start and where the reply starts, each verified (see the module docstring); unverifiable ones
     are left out. Falls back to `message_offsets_reference` for tokenizers without character offsets.
-    `messages` are template-ready dicts (`kvsplice.server.chat.message_dicts`)."""
-    full_text = tokenizer.render_chat(list(messages), tools, add_generation_prompt=True)
+    `messages` are template-ready dicts (`kvsplice.server.chat.message_dicts`); `render` renders them
+    (default: the model's template with `tools`; the server passes its ChatRenderer's, which may use
+    another template and normalised messages)."""
+    render = render or _model_render(tokenizer, tools)
+    full_text = render(messages, True)
     starts = _token_starts(tokenizer, full_text, prompt_ids)
     if starts is None:
-        return message_offsets_reference(tokenizer, messages, prompt_ids, tools)
+        return message_offsets_reference(tokenizer, messages, prompt_ids, tools, render)
     found = set()
-    for text in _prefix_texts(tokenizer, messages, tools):
+    for text in _prefix_texts(render, messages):
         if text is not None and full_text.startswith(text) and len(text) in starts:
             found.add(starts[len(text)])
     return sorted(o for o in found if 0 < o < len(prompt_ids))
 
 
 def message_offsets_reference(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
-                              prompt_ids: Sequence[int], tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+                              prompt_ids: Sequence[int], tools: Optional[list[dict[str, Any]]] = None,
+                              render: Optional[Render] = None) -> list[int]:
     """The same offsets by brute force: tokenize each prefix rendering and keep its length where its
     token ids are a prefix of `prompt_ids`."""
     prompt_ids = list(prompt_ids)
     found = set()
-    for text in _prefix_texts(tokenizer, messages, tools):
+    for text in _prefix_texts(render or _model_render(tokenizer, tools), messages):
         if text is None:
             continue
         ids = tokenizer.encode(text, add_special_tokens=False)

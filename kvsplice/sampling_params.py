@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
+
+from kvsplice.structured.spec import StructuredSpec
 
 # OpenAI caps `logprobs` / `top_logprobs` at 20; vLLM follows.
 MAX_LOGPROBS = 20
+# OpenAI's ranges: presence / frequency penalty in [-2, 2], logit_bias values in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+# vLLM accepts any repetition_penalty > 0; past 10 every seen token is all but banned.
+MAX_REPETITION_PENALTY = 10.0
+# Entries of logit_bias (OpenAI sets no number; this bounds the per-request tensor work).
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # torch.Generator.manual_seed accepts exactly this range (int64 min .. uint64 max).
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -56,6 +65,30 @@ def _as_id_tuple(stop_token_ids: Iterable[int]) -> tuple[int, ...]:
     return items
 
 
+def _as_bias_tuple(logit_bias: Mapping | Iterable) -> tuple[tuple[int, float], ...]:
+    """Normalise `logit_bias` ({token id (int or decimal string): bias} or (id, bias) pairs) to
+    sorted (id, bias) pairs; ValueError naming the field for a bad id, bias or size."""
+    items = list(logit_bias.items()) if isinstance(logit_bias, Mapping) else list(logit_bias)
+    if len(items) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(items)}")
+    pairs: dict[int, float] = {}
+    for key, bias in items:
+        token_id = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias: keys must be token ids (ints >= 0), got {key!r}")
+        if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: biases must be numbers in [-100, 100], got {bias!r} for token {key}")
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _check_range(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    """ValueError naming `name` unless `value` is a finite number in [low, high] ((low, high] if low_open)."""
+    if not _is_number(value) or not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name}: must be a number in {bracket}{low:g}, {high:g}], got {value!r}")
+
+
 def _check_optional_count(name: str, value: int | None) -> None:
     """Validate a logprobs-style field: None, or an int in [0, MAX_LOGPROBS]."""
     if value is None:
@@ -83,6 +116,16 @@ class SamplingParams:
       logprobs          None = none; n >= 0 = chosen token's logprob plus the n most likely alternatives.
       prompt_logprobs   same, for each prompt token (except the first).
       skip_special_tokens  drop special tokens when detokenizing.
+      presence_penalty  in [-2, 2]: subtracted once from the logit of every token already generated.
+      frequency_penalty in [-2, 2]: subtracted from a token's logit once per time it was generated.
+      repetition_penalty in (0, 10]: logits of tokens in the prompt or the output are divided by it
+                        when positive, multiplied when negative (CTRL / HF / vLLM); 1 = off.
+      logit_bias        {token id: bias in [-100, 100]} added to the logits (stored as sorted pairs).
+      min_tokens        EOS and stop_token_ids cannot be sampled before this many tokens (<= max_tokens).
+      structured        a StructuredSpec the reply must match (grammar-constrained sampling), or None.
+
+    The logits processing fields change the distribution tokens are sampled from; logprobs stay
+    those of the model's raw distribution (vLLM's default).
 
     Raises ValueError, naming the field, on any invalid value. Lists given for `stop` and
     `stop_token_ids` are stored as tuples so the object stays hashable.
@@ -100,6 +143,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         """Validate every field and normalise `stop` / `stop_token_ids` to tuples."""
@@ -117,9 +166,33 @@ class SamplingParams:
             raise ValueError(f"seed: must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
         _check_optional_count("logprobs", self.logprobs)
         _check_optional_count("prompt_logprobs", self.prompt_logprobs)
+        self._check_logits_processing()
         # Frozen dataclass: normalising in place needs object.__setattr__, allowed here only.
         object.__setattr__(self, "stop", _as_str_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_id_tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _as_bias_tuple(self.logit_bias))
+
+    def _check_logits_processing(self) -> None:
+        _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise ValueError(f"structured: must be a StructuredSpec, got {type(self.structured).__name__}")
+            # a complete match allows only a stop token: ignoring it, or forbidding it for a
+            # while, would leave no token to sample
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured outputs or a forced tool call")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured outputs or a forced tool call")
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when logits are changed before sampling (penalties, bias, min_tokens, a grammar)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None)
 
     @property
     def is_greedy(self) -> bool:

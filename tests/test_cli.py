@@ -28,12 +28,15 @@ def test_serve_help_exits_zero(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--model" in out and "--scr-max-spans" in out and "--no-scr" in out and "--replica-name" in out
+    assert "--tool-call-parser" in out and "--chat-template" in out
 
 
 @pytest.mark.parametrize("argv", [
     [], ["frobnicate"], ["serve", "--num-slots", "many"], ["serve", "--scr-tail", "x"],
     ["serve", "--scr-tail", "0"], ["serve", "--num-slots", "0"], ["serve", "--model", "/does/not/exist"],
     ["serve", "--port", "70000"], ["generate"], ["report", "/does/not/exist.jsonl"],
+    ["serve", "--tool-call-parser", "pythonic"], ["serve", "--chat-template", "/no/such/template.jinja"],
+    ["serve", "--chat-template", "{% for m in messages %}"],
 ])
 def test_bad_input_exits_2_with_a_message(argv, capsys):
     assert main(argv) == 2

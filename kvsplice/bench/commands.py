@@ -123,7 +123,7 @@ def report_main(argv: list[str]) -> int:
 
 def workload_main(argv: list[str]) -> int:
     """`kvsplice workload --out FILE --conversations N --seed S [--min-tokens --max-tokens --min-turns
-    --max-turns --tokens-per-word --max-output-tokens --cache-salt]`: write a synthetic agent trace.
+    --max-turns --tokens-per-word --max-output-tokens --cache-salt --edits]`: write a synthetic agent trace.
 
     Returns 0 on success, 2 for bad arguments.
     """
@@ -138,6 +138,8 @@ def workload_main(argv: list[str]) -> int:
     parser.add_argument("--tokens-per-word", type=float, default=1.3)
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--cache-salt", default=None)
+    parser.add_argument("--edits", choices=["mixed", "early"], default="mixed",
+                        help="edit kinds: mixed (default) or early (every turn edits before token 1024)")
     args, status = _parse(parser, argv)
     if args is None:
         return status
@@ -145,7 +147,7 @@ def workload_main(argv: list[str]) -> int:
         conversations = generate_traces(
             args.conversations, args.seed, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
             min_turns=args.min_turns, max_turns=args.max_turns, tokens_per_word=args.tokens_per_word,
-            max_output_tokens=args.max_output_tokens, cache_salt=args.cache_salt)
+            max_output_tokens=args.max_output_tokens, cache_salt=args.cache_salt, edits=args.edits)
         dump_trace(conversations, args.out)
     except (ValueError, OSError) as error:
         print(f"kvsplice workload: {error}", file=sys.stderr)

@@ -72,6 +72,8 @@ class Row:
     prefill_flops: Optional[float]
     saved_flops: Optional[float]
     ttft_s: Optional[float]
+    session: Optional[str] = None   # kvsplice's usage.reuse.session: "new", "matched", "off"
+    fallback: Optional[str] = None  # kvsplice's usage.reuse.fallback: why SCR did not relocate
 
     @property
     def where(self) -> str:
@@ -121,7 +123,16 @@ def _reuse_fields(reuse: dict[str, Any], where: str) -> dict[str, Any]:
         "breakdown": breakdown,
         "prefill_flops": _number(reuse, "prefill_flops", where, optional=True),
         "saved_flops": _number(reuse, "saved_flops", where, optional=True),
+        "session": _label(reuse, "session", where),
+        "fallback": _label(reuse, "fallback", where),
     }
+
+
+def _label(obj: dict[str, Any], key: str, where: str) -> Optional[str]:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise RunError(f"{where}: '{key}' must be a string or null, got {value!r}")
+    return value
 
 
 def _replay_row(record: dict[str, Any], line_number: int) -> Row:
@@ -292,8 +303,37 @@ class Report:
     saved_flops: Optional[float]
     ttft: Optional[Percentiles]
     ttft_values: tuple[float, ...]
+    sessions: dict[str, "SessionCounts"] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     other: Optional["Report"] = None
+
+
+@dataclass(frozen=True)
+class SessionCounts:
+    """How a set of requests found their SCR session (usage.reuse.session: "matched", "new", "off";
+    None for servers without it) and why those that relocated nothing did not (usage.reuse.fallback,
+    by reason; requests that relocated nothing with no reason count under "none")."""
+
+    requests: int
+    session: dict[str, int]
+    fallback: dict[str, int]
+
+    @property
+    def matched_share(self) -> float:
+        """Share of the requests whose session was matched (0.0 for none)."""
+        return self.session.get("matched", 0) / self.requests if self.requests else 0.0
+
+
+def _session_counts(rows: list[Row] | tuple[Row, ...]) -> SessionCounts:
+    kinds: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for row in rows:
+        kind = row.session or "unknown"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if row.relocated == 0:
+            reason = row.fallback or "none"
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return SessionCounts(len(rows), dict(sorted(kinds.items())), dict(sorted(reasons.items())))
 
 
 def _row_problems(row: Row) -> list[str]:
@@ -364,7 +404,9 @@ def _breakdown_total(rows: tuple[Row, ...]) -> tuple[Optional[Breakdown], int]:
 
 def build_report(run: Run, vs: Optional[Run] = None) -> Report:
     """Summarise `run` (and `vs`, as `Report.other`): token shares for all and edited turns, per edit kind,
-    the prefilled breakdown, prefill FLOPs per conversation, TTFT percentiles, and the self-checks.
+    the prefilled breakdown, how requests found their SCR session and why those that relocated nothing
+    did not (`sessions`, for all and edited turns), prefill FLOPs per conversation, TTFT percentiles, and
+    the self-checks.
 
     Rows of failed requests and requests without usage are left out of every total and counted apart.
     Prefill FLOPs per conversation is None unless every row carries `prefill_flops`.
@@ -392,6 +434,7 @@ def build_report(run: Run, vs: Optional[Run] = None) -> Report:
         saved_flops=math.fsum(saved) if saved else None,
         ttft=_percentiles([row.ttft_s for row in run.rows if row.ttft_s is not None]),
         ttft_values=tuple(sorted(row.ttft_s for row in run.rows if row.ttft_s is not None)),
+        sessions={"all": _session_counts(run.rows), "edited": _session_counts([r for r in run.rows if r.edited])},
         problems=problems, other=other,
     )
 
@@ -443,6 +486,21 @@ def _edit_table(report: Report) -> list[str]:
     return lines
 
 
+def _sessions_table(reports: list[Report]) -> list[str]:
+    lines = ["| turns | run | requests | session matched | new | off | relocated nothing, by fallback reason |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for scope in ("all", "edited"):
+        for report in reports:
+            counts = report.sessions.get(scope)
+            if counts is None:
+                continue
+            reasons = ", ".join(f"{reason} {count}" for reason, count in counts.fallback.items()) or "-"
+            lines.append(f"| {scope} | {report.label} | {counts.requests} | {counts.session.get('matched', 0)} "
+                         f"({100 * counts.matched_share:.1f}%) | {counts.session.get('new', 0)} | "
+                         f"{counts.session.get('off', 0)} | {reasons} |")
+    return lines
+
+
 def _flops_ttft_table(reports: list[Report]) -> list[str]:
     lines = ["| run | conversations | prefill FLOPs / conversation (mean) | prefill FLOPs total | saved FLOPs total"
              " | TTFT n | p50 s | p90 s | p99 s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -464,7 +522,7 @@ def _flops_ttft_table(reports: list[Report]) -> list[str]:
 
 def format_report(report: Report) -> str:
     """The report as markdown: run summary, token shares (all/edited, RUN vs OTHER), prefilled breakdown,
-    per edit kind, FLOPs and TTFT, failures and self-checks."""
+    SCR sessions and fallback reasons, per edit kind, FLOPs and TTFT, failures and self-checks."""
     reports = _reports(report)
     lines = [f"# kvsplice report: {' vs '.join(r.label for r in reports)}", ""]
     for r in reports:
@@ -475,6 +533,7 @@ def format_report(report: Report) -> str:
                      f"edited turns: {r.edited_rule}; settings: {json.dumps(settings)}")
     lines += ["", "## Prompt tokens by compute type", ""] + _token_table(reports)
     lines += ["", "## Prefilled tokens breakdown", ""] + _breakdown_table(reports)
+    lines += ["", "## SCR sessions and fallback reasons", ""] + _sessions_table(reports)
     for r in reports:
         if r.by_edit:
             lines += ["", f"## By edit kind: {r.label}", ""] + _edit_table(r)
@@ -563,5 +622,6 @@ def _summary(report: Report) -> dict[str, Any]:
         "breakdown": None if report.breakdown is None else report.breakdown._asdict(),
         "prefill_flops_per_conversation": report.prefill_flops_per_conversation,
         "saved_flops": report.saved_flops, "ttft": None if report.ttft is None else report.ttft._asdict(),
+        "sessions": {scope: asdict(counts) for scope, counts in report.sessions.items()},
         "problems": [p for p in report.problems if not p.startswith("OTHER (")],
     }

@@ -15,6 +15,18 @@ Every edited turn also appends the previous turn's call and result. When the con
 `max_tokens`, the agent compacts: it replaces (or deletes) its oldest results until it fits, and that turn
 is marked with the compaction's edit kind.
 
+With `edits="early"` every turn whose context has grown past 1024 tokens edits its start (before
+token 1024, where a matcher that needs a long common prefix finds none) and appends its step; the
+turns before only append:
+
+    edit_system         the system prompt's first sentence (the session's date) changed  (token 0)
+    move_message        the task and the notes messages swap places                 (a reordering)
+    update_note         as above; the notes sit near the start
+    strip_reasoning     as above; the first <think> block sits near the start
+    replace_with_note   the oldest full result replaced by a note
+    delete_tool_result  the oldest full result deleted with its call
+    two_edits           update_note and replace_with_note (or edit_system) in one turn
+
 Text comes from the docstrings of Python standard-library modules (`inspect.getdoc`, a fixed module list
 in a fixed order), so traces are realistic English, need no download, and are deterministic for a seed
 on a given Python build. Sizes are estimates: words * `tokens_per_word`.
@@ -52,6 +64,10 @@ EDIT_WEIGHTS = (
     ("update_note", 0.15),
     ("strip_reasoning", 0.15),
 )
+EARLY_EDITS = ("edit_system", "move_message", "update_note", "strip_reasoning", "replace_with_note",
+               "delete_tool_result", "two_edits")
+EDIT_PROFILES = ("mixed", "early")
+EARLY_LIMIT_TOKENS = 1024  # an early edit starts before this (estimated) token offset
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 SYSTEM_PROMPT = (
     "You are a careful research agent. You answer questions about the Python standard library by reading "
@@ -166,12 +182,18 @@ def _replace_with_note(messages: list[dict[str, Any]], tool_offset: int) -> list
     return messages[:tool_offset] + [note] + messages[tool_offset + 1:]
 
 
+def _notes_offset(messages: list[dict[str, Any]]) -> int:
+    return next(offset for offset, message in enumerate(messages)
+                if message["role"] == "user" and message["content"].startswith(NOTES_HEADER))
+
+
 def _update_note(rng: random.Random, corpus: tuple[Document, ...],
                  messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     title, gist = take_words(rng, corpus, 10)
-    notes = messages[2]
+    offset = _notes_offset(messages)
+    notes = messages[offset]
     updated = {**notes, "content": f"{notes['content']}\n- {title}: {gist}"}
-    return messages[:2] + [updated] + messages[3:]
+    return messages[:offset] + [updated] + messages[offset + 1:]
 
 
 def _strip_reasoning(messages: list[dict[str, Any]], before_offset: int) -> list[dict[str, Any]]:
@@ -207,6 +229,57 @@ def _apply_edit(rng: random.Random, corpus: tuple[Document, ...], messages: list
     return _replace_with_note(messages, tool_offset)
 
 
+def _edit_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system prompt's first sentence ("Session day N.") with N + 1: an edit at token 0."""
+    first, rest = messages[0]["content"].split(". ", 1)
+    day = int(first.rsplit(" ", 1)[1]) + 1
+    return [{**messages[0], "content": f"Session day {day}. {rest}"}] + messages[1:]
+
+
+def _move_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages 1 and 2 (the task and the notes) swap places."""
+    return [messages[0], messages[2], messages[1]] + messages[3:]
+
+
+def _oldest_early_result(messages: list[dict[str, Any]], appended_at: int, tokens_per_word: float) -> Optional[int]:
+    """Offset of the oldest full result before `appended_at` if it starts before EARLY_LIMIT_TOKENS."""
+    offsets = _result_offsets(messages[:appended_at], keep_last=0)
+    if offsets and estimate_tokens(messages[: offsets[0] - 1], tokens_per_word) < EARLY_LIMIT_TOKENS:
+        return offsets[0]
+    return None
+
+
+def _feasible_early_edits(messages: list[dict[str, Any]], appended_at: int, tokens_per_word: float) -> list[str]:
+    """The EARLY_EDITS that change something before token EARLY_LIMIT_TOKENS of messages[:appended_at]."""
+    feasible = ["edit_system", "move_message", "update_note", "two_edits"]
+    think = [offset for offset, m in enumerate(messages[:appended_at])
+             if m["role"] == "assistant" and THINK_RE.search(m["content"])]
+    if think and estimate_tokens(messages[: think[0]], tokens_per_word) < EARLY_LIMIT_TOKENS:
+        feasible.append("strip_reasoning")
+    if _oldest_early_result(messages, appended_at, tokens_per_word) is not None:
+        feasible += ["replace_with_note", "delete_tool_result"]
+    return [kind for kind in EARLY_EDITS if kind in feasible]
+
+
+def _apply_early_edit(rng: random.Random, corpus: tuple[Document, ...], messages: list[dict[str, Any]], edit: str,
+                      appended_at: int, tokens_per_word: float) -> list[dict[str, Any]]:
+    if edit == "edit_system":
+        return _edit_system(messages)
+    if edit == "move_message":
+        return _move_message(messages)
+    if edit == "update_note":
+        return _update_note(rng, corpus, messages)
+    if edit == "strip_reasoning":
+        return _strip_reasoning(messages, appended_at)
+    oldest = _oldest_early_result(messages, appended_at, tokens_per_word)
+    if edit == "delete_tool_result":
+        return _delete_result(messages, oldest)
+    if edit == "replace_with_note":
+        return _replace_with_note(messages, oldest)
+    messages = _update_note(rng, corpus, messages)  # two_edits
+    return _replace_with_note(messages, oldest) if oldest is not None else _edit_system(messages)
+
+
 def _compact(messages: list[dict[str, Any]], sizes: _Sizes) -> tuple[list[dict[str, Any]], Optional[str]]:
     """Replace the oldest full results by notes (then delete notes' pairs) until the context fits."""
     edit: Optional[str] = None
@@ -222,11 +295,25 @@ def _compact(messages: list[dict[str, Any]], sizes: _Sizes) -> tuple[list[dict[s
     return messages, edit
 
 
+def _next_edit(rng: random.Random, corpus: tuple[Document, ...], messages: list[dict[str, Any]], appended_at: int,
+               sizes: _Sizes, profile: str) -> tuple[list[dict[str, Any]], str]:
+    """Draw this turn's edit kind for `profile` and apply it; (messages, edit kind)."""
+    if profile == "early":
+        if estimate_tokens(messages[:appended_at], sizes.tokens_per_word) < EARLY_LIMIT_TOKENS:
+            return messages, "append"  # nothing to edit yet beyond the opening messages
+        edit = rng.choice(_feasible_early_edits(messages, appended_at, sizes.tokens_per_word))
+        return _apply_early_edit(rng, corpus, messages, edit, appended_at, sizes.tokens_per_word), edit
+    kinds, weights = zip(*_feasible_edits(messages, appended_at))
+    edit = rng.choices(kinds, weights=weights)[0]
+    return _apply_edit(rng, corpus, messages, edit, appended_at), edit
+
+
 def _conversation(rng: random.Random, corpus: tuple[Document, ...], conversation_id: str, n_turns: int,
-                  sizes: _Sizes, cache_salt: Optional[str]) -> Conversation:
+                  sizes: _Sizes, cache_salt: Optional[str], profile: str) -> Conversation:
     _, task_words = take_words(rng, corpus, 12)
+    system = SYSTEM_PROMPT if profile == "mixed" else f"Session day {rng.randint(1, 300)}. {SYSTEM_PROMPT}"
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "system", "content": system},
         {"role": "user", "content": f"Task: explain how these fit together, citing the docs. Context: {task_words}"},
         {"role": "user", "content": f"{NOTES_HEADER}\n- (none yet)"},
     ]
@@ -235,9 +322,7 @@ def _conversation(rng: random.Random, corpus: tuple[Document, ...], conversation
     for step in range(1, n_turns):
         appended_at = len(messages)
         messages = messages + _agent_step(rng, corpus, sizes, step - 1)
-        kinds, weights = zip(*_feasible_edits(messages, appended_at))
-        edit = rng.choices(kinds, weights=weights)[0]
-        messages = _apply_edit(rng, corpus, messages, edit, appended_at)
+        messages, edit = _next_edit(rng, corpus, messages, appended_at, sizes, profile)
         messages, compaction = _compact(messages, sizes)
         edit = compaction or edit
         max_output = rng.randint(max(1, sizes.max_output_tokens // 4), sizes.max_output_tokens)
@@ -246,7 +331,9 @@ def _conversation(rng: random.Random, corpus: tuple[Document, ...], conversation
 
 
 def _check_arguments(n_conversations: int, min_tokens: int, max_tokens: int, min_turns: int, max_turns: int,
-                     tokens_per_word: float, max_output_tokens: int) -> None:
+                     tokens_per_word: float, max_output_tokens: int, edits: str) -> None:
+    if edits not in EDIT_PROFILES:
+        raise ValueError(f"edits must be one of {', '.join(EDIT_PROFILES)}, got {edits!r}")
     if n_conversations < 1:
         raise ValueError(f"n_conversations must be >= 1, got {n_conversations}")
     if not 0 < min_tokens <= max_tokens:
@@ -261,17 +348,20 @@ def _check_arguments(n_conversations: int, min_tokens: int, max_tokens: int, min
 
 def generate_traces(n_conversations: int, seed: int, min_tokens: int = 2000, max_tokens: int = 32000,
                     min_turns: int = 4, max_turns: int = 40, tokens_per_word: float = 1.3,
-                    max_output_tokens: int = 64, cache_salt: Optional[str] = None) -> list[Conversation]:
+                    max_output_tokens: int = 64, cache_salt: Optional[str] = None,
+                    edits: str = "mixed") -> list[Conversation]:
     """Generate `n_conversations` synthetic context-editing agent conversations, deterministic for `seed`.
 
     Each conversation draws a peak context size in [min_tokens, max_tokens] (estimated tokens, see
     `estimate_tokens`) and a turn count in [min_turns, max_turns]; results are sized so the context grows
     towards the peak, and no turn's prompt plus its output budget exceeds `max_tokens` (compaction edits
     enforce it). Each turn's output budget is drawn in [max_output_tokens // 4, max_output_tokens].
-    Conversation ids are "w{seed}-{n}". Raises ValueError for inconsistent bounds.
+    `edits`: "mixed" (the edit kinds above, appends included) or "early" (every later turn edits the
+    context before token 1024; see the module docstring). Conversation ids are "w{seed}-{n}" ("e{seed}-{n}"
+    for early edits). Raises ValueError for inconsistent bounds or an unknown `edits`.
     """
     _check_arguments(n_conversations, min_tokens, max_tokens, min_turns, max_turns, tokens_per_word,
-                     max_output_tokens)
+                     max_output_tokens, edits)
     corpus = load_corpus()
     conversations = []
     for number in range(n_conversations):
@@ -286,5 +376,6 @@ def generate_traces(n_conversations: int, seed: int, min_tokens: int = 2000, max
         step_words = min(step_words, (max_tokens - base_tokens - max_output_tokens) / tokens_per_word / 2)
         sizes = _Sizes(result_words=max(12, int(step_words * 0.8)), reasoning_words=max(6, int(step_words * 0.15)),
                        max_tokens=max_tokens, tokens_per_word=tokens_per_word, max_output_tokens=max_output_tokens)
-        conversations.append(_conversation(rng, corpus, f"w{seed}-{number}", n_turns, sizes, cache_salt))
+        prefix = "w" if edits == "mixed" else "e"
+        conversations.append(_conversation(rng, corpus, f"{prefix}{seed}-{number}", n_turns, sizes, cache_salt, edits))
     return conversations

@@ -35,9 +35,12 @@ from kvsplice.engine.request import Namespace, Req, ReqStatus, RequestOutput
 from kvsplice.engine.reuse_manager import ReuseManager
 from kvsplice.engine.runner import ChunkResult, ModelRunner
 from kvsplice.engine.scheduler import Chunk, Scheduler
+from kvsplice.layers.logits_processors import LogitsState
 from kvsplice.layers.sampler import make_generator
 from kvsplice.models.config import ModelConfig
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.structured.grammar import GrammarCache
+from kvsplice.structured.matcher import GrammarState
 from kvsplice.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -103,7 +106,8 @@ class Engine:
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
                                   failpoints=failpoints)
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
-        self.runner = ModelRunner(model, pool, states, failpoints=failpoints)
+        self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
+        self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -140,6 +144,7 @@ class Engine:
         req = Req(rid, list(prompt_ids), params, namespace=Namespace(owner, cache_salt), session_id=session_id,
                   arrival_s=time.perf_counter(), generator=make_generator(params.seed),
                   keep_last_logits=keep_last_logits, message_offsets=offsets)
+        req.logits_state = self._logits_state(prompt_ids, params)
         req.scr = self.reuse.request_config(scr, cache_salt)
         detok = IncrementalDetokenizer(
             lambda ids, skip=params.skip_special_tokens: self.tokenizer.decode(ids, skip_special_tokens=skip),
@@ -148,6 +153,13 @@ class Engine:
         self._reqs[rid], self._detoks[rid] = req, detok
         self.scheduler.add(req)
         return rid
+
+    def _logits_state(self, prompt_ids: list[int], params: SamplingParams) -> LogitsState | None:
+        """Per-request logits processing (None if none); compiles its grammar (cached: the server
+        compiled it already). ValueError for a grammar that does not compile or a bad logit_bias id."""
+        grammar = None if params.structured is None else GrammarState(self.grammars.compile(params.structured))
+        return LogitsState.create(params, prompt_ids, self.model_config.vocab_size, self.tokenizer.eos_token_ids,
+                                  grammar)
 
     def _validate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if rid in self._reqs:

@@ -75,6 +75,10 @@ class ForwardBatch:
     `logit_rows` are the flat row offsets whose next-token logits the caller wants (usually the
     last row of each request; every row for prompt logprobs). `linear` is empty for models
     without linear-attention layers.
+
+    `arena_rows` (fast path only, `kvsplice.models.fast_decode`): rows [0, arena_rows) are
+    single-token decode rows whose contexts are rows 0..arena_rows-1 of the DecodeArena, in the
+    same order; they have no entry in `seqs`. The reference Decoder never gets such a batch.
     """
 
     input_ids: torch.Tensor    # [T] int64
@@ -83,6 +87,7 @@ class ForwardBatch:
     seqs: tuple[SeqSlice, ...]
     logit_rows: torch.Tensor   # [R] int64
     linear: tuple[LinearSeq, ...] = ()   # hybrid models only: one per entry of `seqs`
+    arena_rows: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine, RequestFailedError
 from kvsplice.engine.failpoints import Failpoints
@@ -41,11 +43,33 @@ class GenerationResult:
     state_reuse: object | None = None   # hybrid models: StateReuse (checkpoint depth, state mode)
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU multiplies bf16 in hardware (flag avx512_bf16 or amx_bf16 in `cpuinfo`);
+    False where that cannot be read (bf16 is then emulated, slower than fp32)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_auto_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """`resolve_dtype(name)`, where "auto" is bfloat16 on a device with native bf16 matmul (CUDA
+    with bf16 support, a CPU with avx512_bf16 / amx_bf16) and float32 elsewhere."""
+    if str(name).strip().lower() != "auto":
+        return resolve_dtype(name)
+    if str(device).startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def build_engine(config: EngineConfig, failpoints: Failpoints | None = None) -> Engine:
     """Load `config.model` (a local HF dir, a GGUF file, a llama2.c .bin, a hub id, or None for
-    the default model) and build an Engine around it (`failpoints`: a test seam, see Engine)."""
+    the default model) and build an Engine around it (`config.dtype` may be "auto"; `failpoints`:
+    a test seam, see Engine)."""
     path = resolve_model(config.model)
-    dtype = resolve_dtype(config.dtype)
+    dtype = resolve_auto_dtype(config.dtype, config.device)
     ckpt = load_checkpoint(path, dtype=dtype)
     model_config = ModelConfig.from_hf_config(ckpt.hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvsplice.layers.logits_processors import LogitsState
 from kvsplice.layers.sampler import TokenLogprob
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
@@ -107,6 +108,7 @@ class Req:
     owned_from: int = 0                            # seq_slots[owned_from:num_slotted] are its own
     num_slotted: int = 0                           # offsets [0, num_slotted) have a slot
     generator: torch.Generator | None = None
+    logits_state: LogitsState | None = None        # penalties, bias, min_tokens, grammar (if any)
     reuse: ReuseStats = field(default_factory=lambda: ReuseStats(0, 0, 0, 0, "off"))
     scr: object | None = None                      # per-request SCR state (kvsplice.reuse), if any
     prompt_logprobs: list[TokenLogprob | None] | None = None

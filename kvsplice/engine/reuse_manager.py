@@ -21,7 +21,8 @@ with the reason recorded in the request's ReuseStats. So does an exception while
 (session match, prefix match, diff, plan, validation: fallback "error", logged with its
 traceback), since planning takes no slot and prefix caching serves the prompt exactly. An
 exception once slots are taken (allocation, relocation) propagates: the engine fails the request
-and frees what it holds.
+and frees what it holds. A request for
+prompt logprobs computes every position (fallback "prompt_logprobs") but still updates its session.
 
 Selective recompute (attention-only models, `ReuseConfig.seam_tokens` / `recompute` > 0; see
 kvsplice.reuse.recompute): after relocation the first tokens of every span and a share of the
@@ -63,7 +64,7 @@ from kvsplice.layers.attention import store_kv
 from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
-from kvsplice.reuse.diff import diff_tokens
+from kvsplice.reuse.diff import EqualRun, diff_tokens
 from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown
 from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, scoring_pass,
                                       seam_offsets)
@@ -71,6 +72,10 @@ from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
 
 logger = logging.getLogger(__name__)
+
+
+# A content match keeping less than this share of the session's sequence forks (see _attach_session).
+FORK_BELOW_COVERAGE = 0.5
 
 
 @dataclass
@@ -89,7 +94,12 @@ class SessionKV:
 
 @dataclass
 class ScrRequest:
-    """Per-request SCR state: its settings, its session once matched, the plan it runs."""
+    """Per-request SCR state: its settings, its session once attached, the plan it runs.
+    `miss`: why no existing session matched (the fallback reason of a new session); `runs` /
+    `runs_of`: the diff the match verified with, and the session sequence it was computed
+    against (reused by the plan while the session still holds that very sequence); `fork`: the
+    finished request's K/V go to a new session and the matched one keeps its own (see
+    _attach_session)."""
 
     cfg: ReuseConfig
     session: Session | None = None
@@ -97,6 +107,10 @@ class ScrRequest:
     plan: SpanPlan | None = None
     fallback: str | None = None
     diff_stats: dict = field(default_factory=dict)
+    miss: str | None = None
+    runs: tuple[EqualRun, ...] | None = None
+    runs_of: list[int] | None = None
+    fork: bool = False
     scoring: ScoringPass | None = None   # the selective-recompute scoring pass of this admission
     count_stats: bool = False            # this admission sets req.reuse
 
@@ -142,7 +156,7 @@ class ReuseManager:
 
     def _admit(self, req: Req, update_stats: bool) -> bool:
         scr = req.scr
-        if scr is None or req.wants_prompt_logprobs:
+        if scr is None:
             return self._admit_plain(req, update_stats, "off", PlanResult(None, None, None))
         try:
             match, result = self._plan(req, scr)
@@ -161,17 +175,23 @@ class ReuseManager:
         self._failpoint("match", req)
         if scr.session is None:
             self._attach_session(req, scr)
+        if req.wants_prompt_logprobs:
+            # the logprob of prompt token o + 1 needs the logits at offset o, for every o: each
+            # position is computed, so none can come from the radix tree or be relocated. The turn
+            # still belongs to its session (all its K/V is exact), so the next turn can relocate.
+            return None, PlanResult(None, "prompt_logprobs", None)
         session = scr.session
         if session.payload is None:
-            # a new conversation is no fallback; a matched one whose K/V is not there yet (its
-            # previous turn still running) is
-            reason = None if scr.kind == "new" else "session_has_no_kv"
+            # a new session says why nothing matched; a matched one whose K/V is not there yet
+            # (its previous turn still running) says so
+            reason = scr.miss if scr.kind == "new" else "session_has_no_kv"
             return None, PlanResult(None, reason, None)
         old_ids = session.token_ids
         match = self.cache.match(req)
         self._failpoint("diff", req)
-        runs = diff_tokens(old_ids, req.prompt_ids, fastdiff_min=scr.cfg.fastdiff_min,
-                           cdc_target=scr.cfg.cdc_target)
+        # the match's own diff when the session still holds the sequence it was computed against
+        runs = scr.runs if scr.runs is not None and scr.runs_of is old_ids else diff_tokens(
+            old_ids, req.prompt_ids, fastdiff_min=scr.cfg.fastdiff_min, cdc_target=scr.cfg.cdc_target)
         self._failpoint("plan", req)
         result = make_plan(old_ids, req.prompt_ids, runs, prefix_len=match.length,
                            old_kv_len=len(old_ids), cfg=scr.cfg)
@@ -205,21 +225,33 @@ class ReuseManager:
         return dataclasses.replace(req.reuse, prefill_flops=spent, saved_flops=saved)
 
     def _attach_session(self, req: Req, scr: ScrRequest) -> None:
-        found = self.sessions.match(req.prompt_ids, req.namespace, req.session_id)
+        """Attach the session the request verifiably continues (explicit id or content match),
+        else a new one; only an attached session is ever updated with the request's K/V.
+
+        A content match that does not continue the session's previous prompt forks when the
+        session holds no private K/V (its previous turn was all exact: typically a conversation's
+        first turn) or the prompt keeps less than FORK_BELOW_COVERAGE of its sequence: the request
+        relocates from it, but its K/V go to a new session and the matched one keeps its own.
+        Those are the matches content cannot attribute for sure: a young session is mostly what
+        it shares with every conversation of its application (a system prompt that may vary in
+        its first tokens, not yet known to be common while few sessions hold it), and a prompt
+        keeping little of a session may be another conversation that shares a document with it.
+        Forking costs at most a stale session until eviction; taking over would cost the other
+        conversation its K/V."""
+        cfg = scr.cfg
+        found = self.sessions.match(
+            req.prompt_ids, req.namespace, req.session_id,
+            diff=lambda old, new: diff_tokens(old, new, fastdiff_min=cfg.fastdiff_min, cdc_target=cfg.cdc_target))
         if found.session is not None:
             scr.session, scr.kind = found.session, "matched"
+            scr.runs, scr.runs_of = found.runs, found.session.token_ids
+            scr.fork = found.reason == "matched" and not found.continues and (
+                found.session.private_tokens == 0 or found.coverage < FORK_BELOW_COVERAGE)
         else:
-            scr.session = self._get_or_create(req)
-            scr.kind = "new" if scr.session.payload is None else "matched"
+            scr.session, scr.kind, scr.miss = self.sessions.create(req.namespace), "new", found.reason
+            self._count_fallback(found.reason)
         self.sessions.begin(scr.session)   # in flight: never evicted from here on
         self._free_sessions(self.sessions.evict_over_limits())
-
-    def _get_or_create(self, req: Req) -> Session:
-        if req.session_id is not None:
-            for session in self.sessions.sessions():
-                if session.session_id == req.session_id and session.namespace == req.namespace:
-                    return session
-        return self.sessions.create(req.namespace, req.session_id)
 
     def _admit_plain(self, req: Req, update_stats: bool, kind: SessionKind,
                      why: PlanResult) -> bool:
@@ -391,7 +423,7 @@ class ReuseManager:
 
     def finish(self, req: Req, cache: bool) -> None:
         """Return `req`'s slots; with `cache`, its exact K/V enters the radix tree and its SCR
-        session (if any) takes over the new sequence's K/V."""
+        session (if any; a new one when the match forks) takes over the new sequence's K/V."""
         scr = req.scr
         if scr is None or scr.session is None or not cache:
             self.cache.allocator.free(self.cache.release(req, cache=cache))
@@ -408,9 +440,19 @@ class ReuseManager:
             # the approximate ones, after the first relocated token, stay the session's own
             self.cache.checkpoint_exact_states(ids, req.namespace, states, exact_len)
             states = {length: slot for length, slot in states.items() if length > exact_len}
-        self._replace_session_kv(scr.session, ids, exact_len, private, states)
+        self._replace_session_kv(self._session_to_update(req, scr), ids, exact_len, private, states,
+                                 prompt_len=min(len(req.prompt_ids), len(ids)))
         self.forget(req)
         self._cap_states()
+
+    def _session_to_update(self, req: Req, scr: ScrRequest) -> Session:
+        """The session that takes the finished request's K/V: the attached one, or a new one when
+        the match forks. An explicit session id moves to it (the id follows its conversation),
+        unless it is a session another client named."""
+        target = self.sessions.create(req.namespace) if scr.fork else scr.session
+        if req.session_id is not None and not (target.named and target.session_id != req.session_id):
+            self.sessions.claim_id(target, req.session_id)
+        return target
 
     def _cap_states(self) -> None:
         """Hybrids: drop the least useful of the radix tree's checkpoints and the sessions' own
@@ -444,14 +486,15 @@ class ReuseManager:
         return out
 
     def _replace_session_kv(self, session: Session, ids: list[int], exact_len: int,
-                            private: torch.Tensor, states: dict[int, int] | None = None) -> None:
+                            private: torch.Tensor, states: dict[int, int] | None = None,
+                            prompt_len: int | None = None) -> None:
         self._free_payload(session)
         match = self.cache.radix.match_prefix(ids[:exact_len], session.namespace)
         if match.length != exact_len:  # cannot happen right after insert; never keep a gap
             raise RuntimeError(f"session exact part not cached: {match.length} != {exact_len}")
         self.cache.radix.lock(match.node)
         session.payload = SessionKV(match.node, match.slots, private, dict(states or {}))
-        self.sessions.update(session, ids, private_tokens=int(private.numel()))
+        self.sessions.update(session, ids, private_tokens=int(private.numel()), prompt_len=prompt_len)
 
     def forget(self, req: Req) -> None:
         """`req` is gone: end its session's in-flight mark and enforce the session limits."""

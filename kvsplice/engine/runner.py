@@ -6,16 +6,24 @@ the request's next token, and every prompt row when prompt logprobs were asked f
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
+from kvsplice.config import EngineConfig
+from kvsplice.engine.decode_arena import DecodeArena
 from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.engine.request import Req
 from kvsplice.engine.scheduler import Chunk
+from kvsplice.engine.step_budget import StepBudget
+from kvsplice.layers.logits_processors import accept_tokens, process_logits
 from kvsplice.layers.sampler import TokenLogprob, logprobs_of, sample
+from kvsplice.models.decoder import Decoder
+from kvsplice.models.fast_decode import FastDecoder
+from kvsplice.models.quantize import WeightFormat, apply_weight_format, resolve_weight_format
 
 
 @dataclass(frozen=True)
@@ -31,22 +39,54 @@ class ChunkResult:
 
 
 class ModelRunner:
-    """Runs chunks through `model`; `states` is the StatePool of a hybrid model (None otherwise);
-    `failpoints` (tests) may make the forward or the sampling raise."""
+    """Runs chunks through `model`; `states` is the StatePool of a hybrid model (None otherwise).
+
+    With `config.fast_path` and an eligible model, every step runs on a FastDecoder built from
+    `model` (and decode rows read their contexts from a DecodeArena); otherwise on `model`
+    itself, the reference. Construction rounds `model`'s weights to `config.weight_format`
+    (in place), so both paths compute the same model. Each step's wall time is reported to
+    `budget` (the scheduler's StepBudget), if given. `failpoints` (tests) may make the forward or
+    the sampling raise.
+    """
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, states: StatePool | None = None,
-                 failpoints=None):
+                 config: EngineConfig | None = None, budget: StepBudget | None = None, failpoints=None):
+        config = config or EngineConfig()
         self.model = model
         self.pool = pool
         self.states = states
+        self.budget = budget
         self.failpoints = failpoints
+        self.fast: FastDecoder | None = None
+        self.arena: DecodeArena | None = None
+        self.weight_format = WeightFormat("dense", "dense")
+        if isinstance(model, Decoder):
+            self.weight_format = resolve_weight_format(config.weight_format, model)
+            apply_weight_format(model, self.weight_format)
+            if config.fast_path and states is None and FastDecoder.supports(model.cfg):
+                self.fast = FastDecoder(model, self.weight_format.projections, self.weight_format.lm_head)
+                if config.decode_arena_tokens:
+                    self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
+                                             config.decode_arena_tokens, device=pool.k.device)
 
     def build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[dict[int, int]]]:
-        """Flatten chunks into a ForwardBatch; also returns, per chunk, {offset: row of the
-        logits tensor} for the offsets whose logits are needed."""
-        ids, pos, slots, seqs, rows, rows_per_chunk = [], [], [], [], [], []
-        start = 0
-        for chunk in chunks:
+        """Flatten chunks into a ForwardBatch; also returns, per chunk (in `chunks` order),
+        {offset: row of the logits tensor} for the offsets whose logits are needed.
+
+        With a DecodeArena, the decode chunks it holds come first, in its row order, as
+        `arena_rows` (no SeqSlice each); the other chunks follow as before.
+        """
+        arena_chunks: list[Chunk] = []
+        if self.arena is not None:
+            decoding = {id(c.req): c for c in chunks if c.req.is_decoding and len(c.offsets) == 1}
+            held = self.arena.assign([c.req for c in decoding.values()], self.pool)
+            arena_chunks = [decoding[id(req)] for req in held]
+        in_arena = {id(c) for c in arena_chunks}
+        others = [c for c in chunks if id(c) not in in_arena]
+        ids, pos, slots, seqs, rows = self._arena_rows(arena_chunks)
+        rows_of: dict[int, dict[int, int]] = {id(c): {c.offsets[0]: r} for r, c in enumerate(arena_chunks)}
+        start = len(arena_chunks)
+        for chunk in others:
             req, offsets = chunk.req, chunk.offsets
             seq = req.seq_ids
             offsets_t = torch.tensor(offsets, dtype=torch.int64)
@@ -58,13 +98,24 @@ class ModelRunner:
                                  torch.arange(ctx_len, dtype=torch.int64)))
             row_of = {o: start + i for i, o in enumerate(offsets)}
             wanted = self._logit_offsets(chunk)
-            rows_per_chunk.append({o: len(rows) + i for i, o in enumerate(wanted)})
+            rows_of[id(chunk)] = {o: len(rows) + i for i, o in enumerate(wanted)}
             rows.extend(row_of[o] for o in wanted)
             start += len(offsets)
         linear = tuple(linear_seq(c.req, c.offsets) for c in chunks) if self.states is not None else ()
         batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), tuple(seqs),
-                             torch.tensor(rows, dtype=torch.int64), linear)
-        return batch, rows_per_chunk
+                             torch.tensor(rows, dtype=torch.int64), linear, arena_rows=len(arena_chunks))
+        return batch, [rows_of[id(c)] for c in chunks]
+
+    @staticmethod
+    def _arena_rows(arena_chunks: list[Chunk]):
+        """The flat-tensor parts of the arena decode rows, built in one go (one token each)."""
+        if not arena_chunks:
+            return [], [], [], [], []
+        reqs = [c.req for c in arena_chunks]
+        ids = torch.tensor([req.output_ids[-1] for req in reqs], dtype=torch.int64)
+        pos = torch.tensor([req.seq_len - 1 for req in reqs], dtype=torch.int64)
+        slots = torch.stack([req.seq_slots[req.seq_len - 1] for req in reqs])
+        return [ids], [pos], [slots], [], list(range(len(reqs)))
 
     @staticmethod
     def _logit_offsets(chunk: Chunk) -> list[int]:
@@ -82,21 +133,44 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> list[ChunkResult]:
         """One forward over all chunks, then sampling. Writes the chunks' K/V into the pool."""
-        batch, rows_per_chunk = self.build_batch(chunks)
-        if self.failpoints is not None:
-            self.failpoints.check("forward", [c.req.rid for c in chunks])
+        started = time.perf_counter()
+        try:
+            batch, rows_per_chunk = self.build_batch(chunks)
+            if self.failpoints is not None:
+                self.failpoints.check("forward", [c.req.rid for c in chunks])
+            logits = self._forward(batch)
+        except BaseException:
+            if self.arena is not None:
+                self.arena.clear()   # its rows may be half written; they refill from the pool
+            raise
+        results = self._results(chunks, logits, rows_per_chunk)
+        if self.budget is not None:
+            decode_rows = sum(1 for c in chunks if c.req.is_decoding and len(c.offsets) == 1)
+            self.budget.observe(time.perf_counter() - started, decode_rows, batch.num_tokens - decode_rows)
+        return results
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast.forward(batch, self.pool, self.arena)
         if self.states is None:
-            logits = self.model(batch, self.pool).float()
-        else:
-            logits = self.model(batch, self.pool, self.states).float()
+            return self.model(batch, self.pool).float()
+        return self.model(batch, self.pool, self.states).float()
+
+    def _results(self, chunks: list[Chunk], logits: torch.Tensor,
+                 rows_per_chunk: list[dict[int, int]]) -> list[ChunkResult]:
+        """Sample every sampling chunk at once, then gather each chunk's logprobs and kept logits."""
         sampling = [(c, rows) for c, rows in zip(chunks, rows_per_chunk) if c.samples]
         if self.failpoints is not None:
             self.failpoints.check("sample", [c.req.rid for c, _ in sampling])
         tokens, token_lps = [], []
         if sampling:
             sample_rows = [rows[c.offsets[-1]] for c, rows in sampling]
-            tokens, token_lps = sample(logits[sample_rows], [c.req.params for c, _ in sampling],
-                                       [c.req.generator for c, _ in sampling])
+            raw = logits[sample_rows]
+            # grammar masks, penalties, logit_bias, min_tokens: one batched pass, raw kept for logprobs
+            logits_states = [c.req.logits_state for c, _ in sampling]
+            tokens, token_lps = sample(process_logits(raw, logits_states), [c.req.params for c, _ in sampling],
+                                       [c.req.generator for c, _ in sampling], raw_logits=raw)
+            accept_tokens(logits_states, tokens)
         results, k = [], 0
         for chunk, rows in zip(chunks, rows_per_chunk):
             prompt_lps = self._prompt_logprobs(chunk, logits, rows)

@@ -1,12 +1,17 @@
 """Scheduler: continuous batching of prefill chunks and decode steps under a token budget.
 
-Each step it picks, in this order, until the budget (`max_batch_tokens`) is spent:
+Each step it picks, in this order:
 
   1. every running request that is decoding (one token each), giving it a slot for its
      newest token; when the pool is exhausted it preempts the most recently admitted request
      (its slots are freed, it goes back to the front of the queue and is recomputed later);
   2. the next chunk of each running request still in prefill (chunked prefill);
   3. waiting requests, first come first served, as long as their slots can be had.
+
+Steps 2 and 3 share the step's prefill budget: `max_batch_tokens` when nothing decodes, else what
+`StepBudget` (kvsplice.engine.step_budget) measured to fit next to the decodes within the step-time
+budget, at least `min_prefill_tokens`, so that a long prefill goes in chunks that keep the
+decoding requests' pace, and every prefill still progresses every step.
 
 A request's work in a step is a list of offsets to compute (not necessarily contiguous: under
 SCR the relocated spans sit between them). A request whose SCR plan asked for a scoring pass
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from kvsplice.config import EngineConfig
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, ReqStatus
+from kvsplice.engine.step_budget import StepBudget
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Scheduler:
         self.preempt_fn = preempt_fn
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.budget = StepBudget(config.max_batch_tokens, config.step_budget_ratio, config.min_prefill_tokens)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,7 +74,6 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         """Choose this step's work (see the module docstring). Side effects: allocates slots,
         may preempt running requests, moves admitted requests from waiting to running."""
-        budget = self.config.max_batch_tokens
         chunks: list[Chunk] = []
         for req in [r for r in self.running if r.is_decoding]:
             if req.status is not ReqStatus.RUNNING:
@@ -75,7 +81,7 @@ class Scheduler:
             if not self._grow_or_preempt(req, chunks):
                 continue
             chunks.append(Chunk(req, list(req.pending)))
-            budget -= 1
+        budget = min(self.budget.prefill_tokens(len(chunks)), self.config.max_batch_tokens - len(chunks))
         for req in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break

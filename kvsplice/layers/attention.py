@@ -76,6 +76,22 @@ def decode_attention(q: torch.Tensor, layer_id: int, padded: PaddedContexts, poo
     return attended[:, :, 0, :]
 
 
+def length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """`[B, 1, 1, width]` bool: entry c of request b is visible iff c < lengths[b]."""
+    return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+def contiguous_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """One query per request over contiguous contexts (a `DecodeArena` view): `q [B, Hq, D]`,
+    `k`, `v [B, Hkv, C, D]` in q.dtype holding positions 0..C-1 in order; `mask` is
+    `length_mask(lengths, C)`, or None when every request's length is C. Each request's own
+    token is the last of its positions, so the position mask is the length mask.
+    Returns `[B, Hq, D]`."""
+    attended = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return attended[:, :, 0, :]
+
+
 def paged_attention_reference(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool, scale: float,
                     sliding_window: Optional[int] = None) -> torch.Tensor:
     """The readable path: each request on its own, gather its context slots, position mask, SDPA.

@@ -1,13 +1,16 @@
 """Token sampling and logprobs for a batch of rows with per-row `SamplingParams`.
 
 Call order, per decode step:
-    sample(logits[B, V], params[B], generators[B])
+    sample(logits[B, V], params[B], generators[B], raw_logits[B, V] | None)
+      0. `logits` may already be processed (kvsplice.layers.logits_processors: grammar masks,
+         penalties, logit_bias, min_tokens); `raw_logits` are the model's own, for logprobs.
       1. greedy rows (temperature == 0 or top_k == 1): argmax of the raw logits.
       2. random rows: filtered_probs() = temperature -> top-k -> top-p -> min-p, vectorised over
          the rows with each row's own parameters (HF `generate` warper order), then one draw per
          row with that row's generator (inverse CDF with one uniform per row).
-      3. logprobs (rows that asked): log_softmax of the *unprocessed* logits (vLLM's default
-         "raw_logprobs"), the chosen token plus the top-n alternatives.
+        3. logprobs (rows that asked): log_softmax of the *unprocessed* logits (vLLM's default
+         "raw_logprobs": `raw_logits` when given, else `logits`), the chosen token plus the top-n
+         alternatives.
 
 `filtered_probs_reference` is the plain per-row path that the vectorised one is tested against.
 """
@@ -226,8 +229,11 @@ def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    raw_logits: Tensor | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of `logits` [B, V] (fp32) with that row's params and generator.
+    `raw_logits` [B, V]: the model's logits before any processing, which logprobs are taken from
+    (default: `logits`).
 
     Returns (token ids, logprobs) with B entries each; logprobs[i] is None unless
     params[i].logprobs is set, else the chosen token's raw logprob plus params[i].logprobs top
@@ -246,7 +252,8 @@ def sample(
     logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if logprob_rows:
-        raw = torch.log_softmax(logits[logprob_rows], dim=-1)
+        source = logits if raw_logits is None else raw_logits.float()
+        raw = torch.log_softmax(source[logprob_rows], dim=-1)
         top_ns = [params[row].logprobs for row in logprob_rows]
         for row, entry in zip(logprob_rows, _token_logprobs(raw, token_ids[logprob_rows], top_ns)):
             logprobs[row] = entry

@@ -16,9 +16,12 @@ delta = dst_pos - src_pos) and computes only B', the last `tail` tokens of each 
 
 Modules, in call order (pure Python over int lists, no torch; relocate.py, the tensor part,
 lives next to them):
-    config.py      ReuseConfig, the KVREUSE_* environment table, per-request overrides
-    session.py     SessionStore: which tracked conversation a request continues (indexed)
-    diff.py        diff_tokens: verified equal runs between old_ids and new_ids
-    plan.py        make_plan -> SpanPlan of Keep spans (validate() checks the invariants)
-    accounting.py  ReuseStats (usage.reuse) and FlopsModel
+    config.py         ReuseConfig, the KVREUSE_* environment table, per-request overrides
+    session.py        SessionStore: which tracked conversation a request continues, by id or content
+    fingerprint.py    content-defined chunks of a token sequence, hashed (the index's keys)
+    session_index.py  SessionIndex: chunk hash -> the sessions holding it, per namespace
+    session_match.py  verification of a candidate by the diff, and the ambiguity rule
+    diff.py           diff_tokens: verified equal runs between old_ids and new_ids
+    plan.py           make_plan -> SpanPlan of Keep spans (validate() checks the invariants)
+    accounting.py     ReuseStats (usage.reuse) and FlopsModel
 """

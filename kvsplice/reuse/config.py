@@ -32,12 +32,13 @@ class ReuseConfig:
     min_span: int = 64  # minimum relocated length of a span
     max_sessions: int = 16  # tracked conversations (LRU by count)
     session_max_tokens: int = 1_000_000  # cap on all sessions' private tokens (LRU by memory)
-    match_window: int = 8192  # longest common prefix is measured within this many tokens
-    match_min_tokens: int = 1024  # minimum common prefix for an automatic session match
-    match_min_prefix_frac: float = 0.5  # weak unless lcp/len(old) or overlap reaches its bar
-    match_min_overlap: float = 0.5
-    match_min_ratio: float = 0.55  # the winner's token overlap must reach this
-    match_ambig_margin: float = 0.15  # no match if another session's overlap beats the winner's by more
+    # session matching by content (kvsplice.reuse.session_match): evidence, overlap, coverage
+    match_min_tokens: int = 64  # prompt tokens in distinctive content the session must hold
+    match_min_ratio: float = 0.5  # overlap: share of the prompt the diff keeps from the session
+    match_min_coverage: float = 0.3  # share of the session's sequence the prompt keeps
+    match_ambig_margin: float = 0.15  # a rival keeping almost as much (this share of the prompt): no match
+    match_max_postings: int = 8  # a chunk held by more sessions is common content: ignored
+    match_max_candidates: int = 4  # sessions verified by a token diff per request
     no_rerotate: bool = False  # control: relocate keys without the RoPE delta rotation
     fastdiff_min: int = 2048  # chunk-level diff when both sequences are at least this long
     cdc_target: int = 64  # mean chunk size of the content-defined chunking (a power of 2)
@@ -61,17 +62,29 @@ class ReuseConfig:
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
             check_field(spec.name, getattr(self, spec.name))
-        if self.match_min_tokens > self.match_window:
-            raise ValueError(
-                f"match_min_tokens ({self.match_min_tokens}) must not exceed match_window "
-                f"({self.match_window}): no session could ever match"
-            )
+
+    @property
+    def match_chunk_tokens(self) -> int:
+        """Mean content-chunk size of the session index: a quarter of match_min_tokens rounded down
+        to a power of 2, at least 4. Content shared by many sessions is found chunk by chunk, so a
+        shared stretch leaves at most about one chunk at each end undetected: well under the
+        evidence a match needs."""
+        return max(4, 1 << (max(1, self.match_min_tokens // 4).bit_length() - 1))
+
+    @property
+    def match_min_run(self) -> int:
+        """Shortest equal run that counts when a match is verified: a quarter of match_min_tokens
+        (shorter equal runs are what any two texts share by chance)."""
+        return max(1, self.match_min_tokens // 4)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], base: ReuseConfig | None = None) -> ReuseConfig:
         """Return `base` (default: the defaults) with every `ENV_TABLE` variable present in `environ`
         applied. A value that does not parse or is out of range raises ValueError naming the variable."""
         overrides: dict[str, Any] = {}
+        retired = sorted(name for name in RETIRED_ENV if name in environ)
+        if retired:
+            raise ValueError(f"{retired[0]}: {RETIRED_ENV[retired[0]]}")
         for entry in ENV_TABLE:
             if entry.name not in environ:
                 continue
@@ -111,12 +124,12 @@ FIELD_TYPES: dict[str, type] = {
     "min_span": int,
     "max_sessions": int,
     "session_max_tokens": int,
-    "match_window": int,
     "match_min_tokens": int,
-    "match_min_prefix_frac": float,
-    "match_min_overlap": float,
     "match_min_ratio": float,
+    "match_min_coverage": float,
     "match_ambig_margin": float,
+    "match_max_postings": int,
+    "match_max_candidates": int,
     "no_rerotate": bool,
     "fastdiff_min": int,
     "cdc_target": int,
@@ -147,8 +160,9 @@ _INT_RANGE = {
     "min_span": (1, MAX_TOKENS),
     "max_sessions": (1, 1 << 20),
     "session_max_tokens": (0, 1 << 32),
-    "match_window": (1, MAX_TOKENS),
     "match_min_tokens": (1, MAX_TOKENS),
+    "match_max_postings": (1, 1 << 20),  # holders of one chunk: at most max_sessions' own bound
+    "match_max_candidates": (1, 64),  # token diffs per request: each costs up to one prompt's diff
     "fastdiff_min": (0, MAX_TOKENS),
     "cdc_target": (4, 1 << 16),
     "checkpoint_max_states": (0, 1 << 20),
@@ -254,18 +268,19 @@ ENV_TABLE: tuple[EnvVar, ...] = (
            "tracked conversations, evicted least recently used first"),
     EnvVar("KVREUSE_SESSION_MAX_TOKENS", "session_max_tokens", parse_int, "--scr-session-max-tokens",
            "cap on the private (relocatable) tokens held by all sessions together"),
-    EnvVar("KVREUSE_MATCH_WINDOW", "match_window", parse_int, "--scr-match-window",
-           "tokens scanned for the common prefix when matching a session"),
     EnvVar("KVREUSE_MATCH_MIN_TOKENS", "match_min_tokens", parse_int, "--scr-match-min-tokens",
-           "minimum common prefix for an automatic session match"),
-    EnvVar("KVREUSE_MATCH_MIN_PREFIX_FRAC", "match_min_prefix_frac", parse_float,
-           "--scr-match-min-prefix-frac", "weak match unless lcp/len(old) or the overlap reaches its bar"),
-    EnvVar("KVREUSE_MATCH_MIN_OVERLAP", "match_min_overlap", parse_float, "--scr-match-min-overlap",
-           "weak match unless the token overlap or the prefix fraction reaches its bar"),
+           "session matching: prompt tokens of distinctive (not common) content the session must hold"),
     EnvVar("KVREUSE_MATCH_MIN_RATIO", "match_min_ratio", parse_float, "--scr-match-min-ratio",
-           "minimum token overlap of the winning session"),
+           "session matching: minimum share of the prompt the diff keeps from the session"),
+    EnvVar("KVREUSE_MATCH_MIN_COVERAGE", "match_min_coverage", parse_float, "--scr-match-min-coverage",
+           "session matching: minimum share of the session's sequence the prompt keeps"),
     EnvVar("KVREUSE_MATCH_AMBIG_MARGIN", "match_ambig_margin", parse_float, "--scr-match-ambig-margin",
-           "no match if another session's overlap beats the winner's by more than this"),
+           "session matching: no match if another session keeps almost as much (fewer than "
+           "match_min_tokens tokens less and at most this share of the prompt less)"),
+    EnvVar("KVREUSE_MATCH_MAX_POSTINGS", "match_max_postings", parse_int, "--scr-match-max-postings",
+           "session matching: content held by more sessions than this is common and ignored"),
+    EnvVar("KVREUSE_MATCH_MAX_CANDIDATES", "match_max_candidates", parse_int, "--scr-match-max-candidates",
+           "session matching: sessions verified by a token diff per request"),
     EnvVar("KVREUSE_NO_REROTATE", "no_rerotate", parse_bool, "--scr-no-rerotate",
            "control experiment: relocate keys without re-rotating RoPE"),
     EnvVar("KVREUSE_FASTDIFF_MIN", "fastdiff_min", parse_int, "--scr-fastdiff-min",
@@ -290,6 +305,13 @@ ENV_TABLE: tuple[EnvVar, ...] = (
     EnvVar("KVREUSE_SCORE_LAYERS", "score_layers", parse_int, "--scr-score-layers",
            "layers the scoring pass recomputes before comparing K/V (deviation policies)"),
 )
+
+# Variables of the SCR overlay that no longer apply: setting one is an error, never silently ignored.
+RETIRED_ENV: dict[str, str] = {
+    name: "no longer used: sessions are matched by content anywhere in the prompt, not by a common "
+          "prefix (see KVREUSE_MATCH_MIN_TOKENS, KVREUSE_MATCH_MIN_RATIO, KVREUSE_MATCH_MIN_COVERAGE); unset it"
+    for name in ("KVREUSE_MATCH_WINDOW", "KVREUSE_MATCH_MIN_PREFIX_FRAC", "KVREUSE_MATCH_MIN_OVERLAP")
+}
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",

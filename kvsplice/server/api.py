@@ -6,12 +6,21 @@ readiness and Prometheus metrics. docs/SERVING.md documents every route and fiel
         ─> AsyncEngine.generate ─> RequestOutput deltas ─> JSON or SSE chunks
         ─> on the last delta (or an abort): one `kvsplice.request` log line + metrics
 
-Errors: every 4xx/5xx body is OpenAI's `{"error": {"message", "type", "param", "code"}}`. Validation errors
-(malformed JSON, wrong types) are 400, not FastAPI's 422; ValueError from the engine is 400; an unknown model
-is 404; a full queue is 503 with Retry-After; a request that fails inside the engine is 500 naming its id
-(an SSE error event once its stream has started); a stopped engine is 503. A streamed request that fails
-before its first token is answered with the error status (the first output is awaited before the 200 is
-sent).
+Errors: every 4xx/5xx body is OpenAI's `{"error": {"message", "type", "param", "code"}}` (errors.py).
+Validation errors (malformed JSON, wrong types) are 400, not FastAPI's 422; ValueError from the engine is
+400; an unknown model is 404; a body over the limit is 413; a missing or wrong API key is 401 (auth.py);
+a full queue is 503 with Retry-After; a request that fails inside the engine is 500 naming its id, and so
+is any other failure inside the server; a stopped engine is 503. A streamed request that fails before its
+first token is answered with the error status (the first output is awaited before the 200 is sent); one
+that fails later ends with an error event.
+
+The event loop only moves bytes: parsing a body (body.py), rendering the chat template, tokenizing and
+building a long answer run in a bounded worker pool (workers.py), so /health and /metrics answer while a
+2 MB prompt is being tokenized; /metrics serves the engine's last snapshot when the engine thread is
+busy (snapshots.py).
+
+Tenancy: with API keys, each key is a tenant; its `owner` goes to the engine with every request, and
+the engine's cache namespace is (owner, cache_salt).
 
 A client that disconnects aborts its request: for streams, the response task is cancelled, which closes
 `AsyncEngine.generate` (its `finally` aborts the request and frees its slots); for plain requests a
@@ -22,17 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvsplice import __version__
@@ -42,16 +51,38 @@ from kvsplice.engine.engine import QueueFullError, RequestFailedError
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.server import protocol as p
-from kvsplice.server.chat import ReasoningStream, chat_message_offsets, chat_prompt_ids, split_reasoning
-from kvsplice.server.metrics import RequestObservation, ServerMetrics, take_snapshot
+from kvsplice.server.auth import ApiKeys, AuthMiddleware, refuse_browser_request, request_owner
+from kvsplice.server.body import parse_request
+from kvsplice.server.chat import ChatRenderer, ChatTemplateError
+from kvsplice.server.choices import Choice, merge, start_choices, usage_totals
+from kvsplice.server.constraints import ConstraintError, reply_constraint
+from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, bad_request, bind_request_id, error_body,
+                                    internal_error, validation_message)
+from kvsplice.server.limits import RequestLimits
+from kvsplice.server.metrics import RequestObservation, ServerMetrics
 from kvsplice.server.model_names import served_names
+from kvsplice.server.openapi import error_responses, install_openapi, json_request_body
 from kvsplice.server.replica import install_router_routes, request_session_id
+from kvsplice.server.replies import ReplyFormat
 from kvsplice.server.request_log import RequestLog, request_record
+from kvsplice.server.snapshots import SnapshotCache
 from kvsplice.server.tokenization import DetokenizeRequest, TokenizeRequest, check_token_ids, detokenize, tokenize
+from kvsplice.server.tool_parsers import get_parser
+from kvsplice.server.tools import ToolPlan, ToolRequestError, plan_tools
+from kvsplice.structured.spec import StructuredSpec
+from kvsplice.server.workers import WorkerPool
 
 RETRY_AFTER_S = 1
-FIELD_PREFIX = re.compile(r"^([a-z_][a-z0-9_.]*): ")
 DISCONNECT_POLL_S = 0.25
+# What each kind of route may answer besides 200 (the OpenAPI document declares exactly these).
+# An inference route answers JSON, or with "stream": true an event stream (Server-Sent Events).
+INFERENCE_ERRORS = {200: {"content": {"application/json": {}, "text/event-stream": {}}},
+                    **error_responses(400, 401, 404, 413, 500, 503)}
+READ_ERRORS = error_responses(401, 500)
+ADMIN_ERRORS = error_responses(401, 403, 500, 503)
+PROBE_ERRORS = error_responses(500, 503)
+TOKEN_ERRORS = error_responses(400, 401, 404, 413, 500)
+ROUTING_KEY_PARAM = "X-SMG-Routing-Key"  # the header a router passes the session id in (replica.py)
 
 
 @dataclass(frozen=True)
@@ -59,48 +90,26 @@ class ServerSettings:
     """Server-level options. `model_path`: the --model the model was loaded from (None: the default
     model). `served_model_names`: the names to serve under (the first is reported; empty: derived from
     the model, see model_names.py). `reasoning_parser`: move `<think>` blocks of replies into
-    `reasoning_content`."""
+    `reasoning_content`. `tool_call_parser`: the tool-call syntax by vLLM name (None: detected from the
+    chat template). `chat_template`: a template that replaces the model's (its text). `api_keys`: the
+    accepted keys (none: no authentication). `limits`: per-request bounds (context-derived defaults are
+    filled in from the model). `expose_model_path`: show `model_path` in /get_server_info,
+    /get_model_info and /v1/models (by default they name the served model, not a filesystem path).
+    `prep_threads`: worker threads for parsing, templates and tokenization."""
 
     model_path: Optional[str] = None
     served_model_names: tuple[str, ...] = ()
     replica_name: Optional[str] = None
     reasoning_parser: bool = False
+    tool_call_parser: Optional[str] = None
+    chat_template: Optional[str] = None
     host: Optional[str] = None
     port: Optional[int] = None
     extra_info: dict[str, Any] = field(default_factory=dict)
-
-
-class ApiError(Exception):
-    """An error answered with `status` and an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 error_type: str = "invalid_request_error", headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.error_type, self.headers = error_type, headers
-
-
-def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str | int] = None) -> dict[str, Any]:
-    """OpenAI's error body."""
-    return p.ErrorResponse(error=p.ErrorInfo(message=message, type=error_type, param=param, code=code)).model_dump()
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    """A readable message and the offending parameter from FastAPI's validation errors."""
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(item) for item in err.get("loc", ()) if item != "body"]
-        if err.get("type") == "json_invalid":
-            parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            continue
-        where = ".".join(loc)
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        # a whole-body validator names its field as the message's "field: ..." prefix
-        named = FIELD_PREFIX.match(msg) if not where else None
-        param = param or (where or (named[1] if named else None))
-        parts.append(f"{where}: {msg}" if where else msg)
-    return "; ".join(parts) or "invalid request", param
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    expose_model_path: bool = False
+    prep_threads: int = 2
 
 
 # ----- app state ---------------------------------------------------------------------------------------
@@ -117,6 +126,26 @@ class ServerState:
         self.names = served_names(settings.served_model_names, settings.model_path, engine.name)
         self.metrics = ServerMetrics(self.names.primary, settings.replica_name, engine.max_model_len)
         self.created = int(time.time())
+        parser = get_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+        self.chat = ChatRenderer(engine.tokenizer, settings.chat_template, parser)
+        backend = engine.tokenizer.backend
+        self.vocab = backend.get_vocab() if hasattr(backend, "get_vocab") else None
+        self.special_tokens = frozenset(token.content for token in getattr(backend, "added_tokens_decoder", {}).values()
+                                        if token.special)
+        self.limits = settings.limits.resolve(self.context_limit)
+        self.workers = WorkerPool(settings.prep_threads)
+        self.snapshots = SnapshotCache(self.async_engine)
+
+    async def parse(self, request: Request, model: type[BaseModel]):
+        """The request's JSON body as `model`, within `limits` (body.py); ApiError otherwise."""
+        return await parse_request(request, model, self.limits, self.workers)
+
+    @property
+    def public_model_path(self) -> str:
+        """The model path shown to clients: the served name unless the operator exposes the path."""
+        if self.settings.expose_model_path and self.settings.model_path:
+            return self.settings.model_path
+        return self.engine.name
 
     @property
     def model_name(self) -> str:
@@ -143,39 +172,92 @@ def _check_model(state: ServerState, model: Optional[str]) -> None:
                        param="model", code="model_not_found", error_type="NotFoundError")
 
 
-def _max_tokens(state: ServerState, prompt_len: int, requested: Optional[int]) -> int:
+def _max_tokens(state: ServerState, prompt_len: int, requested: Optional[int], prompt_param: str,
+                budget_param: str = "max_tokens") -> int:
     """The completion budget: `requested`, or the rest of the context; 400 (with the numbers) if the prompt
-    does not fit or prompt + requested exceeds the context."""
+    does not fit (naming `prompt_param`, the field that holds the prompt) or prompt + requested exceeds
+    the context (naming `budget_param`, the field that holds `requested`)."""
     limit = state.context_limit
     if prompt_len >= limit:
         raise ApiError(400, f"the prompt has {prompt_len} tokens but this model's context limit is {limit} "
-                            f"tokens (prompt + completion); shorten the prompt", param="messages",
+                            f"tokens (prompt + completion); shorten the prompt", param=prompt_param,
                        code="context_length_exceeded")
     if requested is None:
         return limit - prompt_len
     if prompt_len + requested > limit:
-        raise ApiError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds this model's "
-                            f"context limit of {limit} tokens", param="max_tokens", code="context_length_exceeded")
+        raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {budget_param} ({requested}) exceeds this "
+                            f"model's context limit of {limit} tokens", param=budget_param,
+                       code="context_length_exceeded")
     return requested
 
 
-def _sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],
-              prompt_logprobs: Optional[int]) -> SamplingParams:
-    """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1)."""
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if fields.temperature is None else fields.temperature,
-        top_p=1.0 if fields.top_p is None else fields.top_p,
-        top_k=fields.top_k if fields.top_k not in (None, 0, -1) else None,
-        min_p=fields.min_p or 0.0,
-        seed=fields.seed,
-        stop=fields.stop or (),
-        stop_token_ids=tuple(fields.stop_token_ids or ()),
-        ignore_eos=fields.ignore_eos,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=fields.skip_special_tokens,
-    )
+def _check_prompt_ids(state: ServerState, prompt_ids: list[int], param: str) -> None:
+    """400 naming `param` for an empty prompt or a token id outside the vocabulary (the engine checks
+    too, but cannot say which field the ids came from)."""
+    if not prompt_ids:
+        raise ApiError(400, f"{param}: must not be empty", param=param)
+    vocab = state.engine.model_config.vocab_size
+    bad = next((token for token in prompt_ids if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def _sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int],
+              structured: Optional[StructuredSpec] = None, keep_special_tokens: bool = False) -> SamplingParams:
+    """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1); an invalid
+    combination is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if fields.temperature is None else fields.temperature,
+            top_p=1.0 if fields.top_p is None else fields.top_p,
+            top_k=fields.top_k if fields.top_k not in (None, 0, -1) else None,
+            min_p=fields.min_p or 0.0,
+            seed=fields.seed,
+            stop=fields.stop or (),
+            stop_token_ids=tuple(fields.stop_token_ids or ()),
+            ignore_eos=fields.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=fields.skip_special_tokens and not keep_special_tokens,
+            presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+            logit_bias=fields.logit_bias or (),
+            min_tokens=fields.min_tokens,
+            structured=structured,
+        )
+    except ValueError as error:
+        name = str(error).split(":")[0].split(" ")[0]
+        raise ApiError(400, str(error), param=name if name in type(fields).model_fields else None) from error
+
+
+async def _compile(state: ServerState, spec: Optional[StructuredSpec], param: str) -> None:
+    """Compile `spec` in a worker thread (the engine's compile is then a cache hit): a constraint
+    that cannot compile is a 400 before the request is queued."""
+    if spec is None:
+        return
+    try:
+        await state.workers.run(state.engine.grammars.compile, spec)
+    except ValueError as error:
+        raise ApiError(400, str(error), param=param) from error
+
+
+def _reply_plan(state: ServerState, body: p.ChatCompletionRequest) -> tuple[ToolPlan, Optional[StructuredSpec], str]:
+    """The request's ToolPlan, the constraint on its reply, and the field that constraint came from."""
+    try:
+        tools = plan_tools(body, state.chat.parser, state.vocab, state.special_tokens)
+        return tools, reply_constraint(body, tools.forced), "tools" if tools.forced else _constraint_field(body)
+    except (ToolRequestError, ConstraintError) as error:
+        raise ApiError(400, str(error), param=error.param) from error
+
+
+def _constraint_field(body: p._SamplingFields) -> str:
+    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs"):
+        if getattr(body, name) is not None:
+            return name
+    return "response_format"
 
 
 # ----- running one request -----------------------------------------------------------------------------
@@ -242,11 +324,10 @@ async def _start(state: ServerState, tracker: _Tracker, prompt_ids: list[int], p
     except QueueFullError as exc:
         raise ApiError(503, str(exc), error_type="ServiceUnavailableError", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
-    except RequestFailedError:
-        _finish(state, tracker, "error")
-        raise
     except ValueError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "param", None)) from exc
+        raise bad_request(exc) from exc
+    except RuntimeError as exc:  # RequestFailedError, EngineDeadError, or anything else the engine raised
+        raise _engine_failure(state, tracker, exc) from exc
     tracker.add(first)
 
     async def rest() -> AsyncIterator[RequestOutput]:
@@ -257,14 +338,32 @@ async def _start(state: ServerState, tracker: _Tracker, prompt_ids: list[int], p
             async for out in gen:
                 tracker.add(out)
                 yield out
-        except RequestFailedError:
-            _finish(state, tracker, "error")
-            raise
+        except RuntimeError as exc:
+            raise _engine_failure(state, tracker, exc) from exc
         finally:
             await gen.aclose()
             _finish(state, tracker, None if tracker.last and tracker.last.finished else "abort")
 
     return rest()
+
+
+def _engine_failure(state: ServerState, tracker: _Tracker, exc: RuntimeError) -> ApiError:
+    """The answer to a request the engine could not serve: a 500 `request_failed` when it failed inside
+    the engine (which logged the traceback; the request's log line says finish reason 'error'), a 503
+    when the engine thread has stopped, else a 500 naming the request (logged here with the traceback)."""
+    if isinstance(exc, RequestFailedError):
+        _finish(state, tracker, "error")
+        return ApiError(500, str(exc), error_type="server_error", code="request_failed")
+    if isinstance(exc, EngineDeadError) or not state.async_engine.alive:
+        return ApiError(503, str(exc) if isinstance(exc, EngineDeadError) else "the engine is not running",
+                        error_type="ServiceUnavailableError", code="engine_stopped")
+    return internal_error(tracker.rid, exc)
+
+
+def _stream_error(rid: str, exc: Exception) -> str:
+    """The SSE event that ends a stream which failed after its 200 was sent."""
+    error = exc if isinstance(exc, ApiError) else internal_error(rid, exc)
+    return _sse(error.body())
 
 
 async def _collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> None:
@@ -308,9 +407,20 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _extras(body, session_id: Optional[str]) -> dict[str, Any]:
-    """kvsplice's per-request fields for AsyncEngine.generate."""
-    return {"cache_salt": body.cache_salt, "session_id": session_id, "scr": body.scr}
+def _extras(body, session_id: Optional[str], request: Request) -> dict[str, Any]:
+    """kvsplice's per-request fields for AsyncEngine.generate; `owner` is the API key's tenant."""
+    return {"cache_salt": body.cache_salt, "session_id": session_id, "scr": body.scr,
+            "owner": request_owner(request)}
+
+
+def _session_id(state: ServerState, body, request: Request) -> Optional[str]:
+    """The body's session_id, else the router's X-SMG-Routing-Key header (sglang-router drops body extras
+    but passes that header), within the id length limit."""
+    session_id = request_session_id(body.session_id, request.headers)
+    if session_id is not None and len(session_id) > state.limits.max_id_chars:
+        raise ApiError(400, f"{ROUTING_KEY_PARAM}: may have at most {state.limits.max_id_chars} characters, "
+                            f"got {len(session_id)}", param=ROUTING_KEY_PARAM)
+    return session_id
 
 
 def _message_offsets(offsets: Optional[list[int]], prompt_len: int) -> Optional[tuple[int, ...]]:
@@ -354,141 +464,161 @@ def _legacy_logprobs(tokenizer, lps, first_offset: int) -> dict[str, Any]:
 # ----- handlers ----------------------------------------------------------------------------------------
 
 
+async def _start_request(state: ServerState, request: Request, body, endpoint: str, rid: str,
+                         prompt_ids: list[int], params: SamplingParams, n: int,
+                         message_offsets: Optional[Sequence[int]]) -> tuple[list[Choice], Optional[_Tracker]]:
+    """Submit the request's `n` choices (choices.py: n > 1 prefills the prompt once, then shares it)."""
+    session_id = _session_id(state, body, request)
+    extras = {**_extras(body, session_id, request), "message_offsets": message_offsets}
+
+    async def start(suffix: str, choice_params: SamplingParams):
+        tracker = _Tracker(rid + suffix, endpoint, session_id)
+        return tracker, await _start(state, tracker, prompt_ids, choice_params, extras)
+
+    return await start_choices(start, lambda outputs: _collect(request, outputs), params, n)
+
+
+def _choices_usage(choices: list[Choice], prefill: Optional[_Tracker], completion_tokens: Optional[int] = None):
+    first, completion = usage_totals(choices, prefill)
+    return _usage(first, completion if completion_tokens is None else completion_tokens)
+
+
 async def _chat(state: ServerState, request: Request, body: p.ChatCompletionRequest) -> Response:
+    rid = bind_request_id(request, f"chatcmpl-{uuid.uuid4().hex}")
     _check_model(state, body.model)
     if body.max_tokens == 0:
         raise ApiError(400, "max_tokens: must be >= 1 for chat completions", param="max_tokens")
-    prompt_ids = chat_prompt_ids(state.engine.tokenizer, body.messages, body.tools)
-    max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens)
+    tools, constraint, constraint_param = _reply_plan(state, body)
+    await _compile(state, constraint, constraint_param)
+    try:
+        prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools,
+                                             body.chat_template_kwargs)
+    except ChatTemplateError as error:
+        raise ApiError(400, str(error), param=error.param) from error
+    max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
     top_n = body.top_logprobs or 0
-    params = _sampling(body, max_tokens, top_n if body.logprobs else None, None)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
-    session_id = request_session_id(body.session_id, request.headers)
-    tracker = _Tracker(rid, "chat", session_id)
-    offsets = chat_message_offsets(state.engine.tokenizer, body.messages, prompt_ids, body.tools) \
-        if state.wants_message_offsets else None
-    outputs = await _start(state, tracker, prompt_ids, params,
-                           {**_extras(body, session_id), "message_offsets": offsets})
+    params = _sampling(body, max_tokens, top_n if body.logprobs else None, None, constraint, tools.keep_special_tokens)
+    offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
+                                      body.chat_template_kwargs) if state.wants_message_offsets else None
+    choices, prefill = await _start_request(state, request, body, "chat", rid, prompt_ids, params, body.n, offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     tokenizer = state.engine.tokenizer
+    fmt = ReplyFormat(state.settings.reasoning_parser, tools, state.chat.parser)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(state, outputs, head, tokenizer, top_n, body.logprobs, include_usage),
+        return StreamingResponse(_chat_stream(choices, prefill, head, tokenizer, top_n, body.logprobs, include_usage, fmt),
                                  media_type="text/event-stream")
-    await _collect(request, outputs)
-    last = tracker.last
-    text = "".join(o.new_text for o in tracker.outputs)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if state.settings.reasoning_parser:
-        split = split_reasoning(text)
-        message.update(content=split.content, reasoning_content=split.reasoning_content)
-    lps = [lp for o in tracker.outputs for lp in o.logprobs]
-    choice = {"index": 0, "message": message, "finish_reason": last.finish_reason,
-              "logprobs": _chat_logprobs(tokenizer, lps, top_n) if body.logprobs else None}
-    return JSONResponse({**head, "object": "chat.completion", "choices": [choice], "usage": _usage(last)})
+    await _collect(request, merge(choices))
+    out = []
+    for choice in choices:
+        outputs = choice.tracker.outputs
+        message, reason = fmt.message("".join(o.new_text for o in outputs), choice.tracker.last.finish_reason)
+        lps = [lp for o in outputs for lp in o.logprobs]
+        out.append({"index": choice.index, "message": message, "finish_reason": reason,
+                    "logprobs": _chat_logprobs(tokenizer, lps, top_n) if body.logprobs else None})
+    return JSONResponse({**head, "object": "chat.completion", "choices": out, "usage": _choices_usage(choices, prefill)})
 
 
-async def _chat_stream(state: ServerState, outputs: AsyncIterator[RequestOutput], head: dict[str, Any], tokenizer,
-                       top_n: int, want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_stream(choices: list[Choice], prefill: Optional[_Tracker], head: dict[str, Any], tokenizer,
+                       top_n: int, want_logprobs: bool, include_usage: bool, fmt: ReplyFormat) -> AsyncIterator[str]:
     chunk_head = {**head, "object": "chat.completion.chunk"}
-    reasoning = ReasoningStream() if state.settings.reasoning_parser else None
-    last = None
-    yield _sse({**chunk_head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]})
+    streams = [fmt.stream() for _ in choices]
+    outputs = merge(choices)
     try:
-        async for out in outputs:
-            last = out
-            delta: dict[str, Any] = {"content": out.new_text}
-            if reasoning is not None:
-                thought, content = reasoning.feed(out.new_text, final=out.finished)
-                delta = {"content": content} | ({"reasoning_content": thought} if thought else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": out.finish_reason if out.finished else None,
-                      "logprobs": _chat_logprobs(tokenizer, out.logprobs, top_n) if want_logprobs else None}
-            if delta.get("content") or delta.get("reasoning_content") or out.finished or choice["logprobs"]:
-                yield _sse({**chunk_head, "choices": [choice]})
-        if include_usage and last is not None:
-            yield _sse({**chunk_head, "choices": [], "usage": _usage(last)})
-    except ApiError as exc:
-        yield _sse(error_body(exc.message, exc.error_type, exc.param, exc.code))
-    except RuntimeError as exc:  # the engine died mid-stream
-        yield _sse(error_body(str(exc), "server_error"))
+        for choice in choices:
+            yield _sse({**chunk_head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+        async for index, out in outputs:
+            delta = streams[index].feed(out.new_text, final=out.finished)
+            reason = streams[index].finish_reason(out.finish_reason) if out.finished else None
+            logprobs = _chat_logprobs(tokenizer, out.logprobs, top_n) if want_logprobs else None
+            if delta or out.finished or logprobs:
+                yield _sse({**chunk_head, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
+                                                       "logprobs": logprobs}]})
+        if include_usage:
+            yield _sse({**chunk_head, "choices": [], "usage": _choices_usage(choices, prefill)})
+    except Exception as exc:  # ApiError from the engine, or a failure: an error event, then [DONE]
+        yield _stream_error(head["id"], exc)
     finally:
         await outputs.aclose()
     yield "data: [DONE]\n\n"
 
 
 async def _completion(state: ServerState, request: Request, body: p.CompletionRequest) -> Response:
+    rid = bind_request_id(request, f"cmpl-{uuid.uuid4().hex}")
     _check_model(state, body.model)
     tokenizer = state.engine.tokenizer
     prompt = body.single_prompt()
-    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not prompt_ids:
-        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    prompt_ids = await state.workers.run(tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
     if body.echo and body.stream:
         raise ApiError(400, "echo is not supported with stream=true", param="echo")
+    try:
+        constraint = reply_constraint(body)
+    except ConstraintError as error:
+        raise ApiError(400, str(error), param=error.param) from error
+    await _compile(state, constraint, _constraint_field(body))
     score_only = body.max_tokens == 0
     # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
-    max_tokens = _max_tokens(state, len(prompt_ids), 1 if score_only else body.max_tokens)
+    max_tokens = _max_tokens(state, len(prompt_ids), 1 if score_only else body.max_tokens, "prompt")
+    _check_prompt_ids(state, prompt_ids, "prompt")
     prompt_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
-    params = _sampling(body, max_tokens, body.logprobs, prompt_lps)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
-    session_id = request_session_id(body.session_id, request.headers)
-    tracker = _Tracker(rid, "completions", session_id)
+    params = _sampling(body, max_tokens, body.logprobs, prompt_lps, constraint)
     offsets = _message_offsets(body.message_offsets, len(prompt_ids))
-    outputs = await _start(state, tracker, prompt_ids, params,
-                           {**_extras(body, session_id), "message_offsets": offsets})
+    choices, prefill = await _start_request(state, request, body, "completions", rid, prompt_ids, params, body.n,
+                                            offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(outputs, head, tokenizer, body.logprobs is not None,
+        return StreamingResponse(_completion_stream(choices, prefill, head, tokenizer, body.logprobs is not None,
                                                     include_usage), media_type="text/event-stream")
-    await _collect(request, outputs)
-    return JSONResponse(_completion_body(tracker, head, tokenizer, prompt, prompt_ids, body, score_only))
+    await _collect(request, merge(choices))
+    # echo + logprobs grows with the prompt: build and render the answer off the loop
+    return await state.workers.run(lambda: JSONResponse(
+        _completion_body(choices, prefill, head, tokenizer, prompt, prompt_ids, body, score_only)))
 
 
-def _completion_body(tracker: _Tracker, head: dict[str, Any], tokenizer, prompt, prompt_ids: list[int],
-                     body: p.CompletionRequest, score_only: bool) -> dict[str, Any]:
-    last = tracker.last
-    outs = [] if score_only else tracker.outputs
-    text = "".join(o.new_text for o in outs)
-    gen_lps = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
+def _completion_body(choices: list[Choice], prefill: Optional[_Tracker], head: dict[str, Any], tokenizer, prompt,
+                     prompt_ids: list[int], body: p.CompletionRequest, score_only: bool) -> dict[str, Any]:
+    first = prefill or choices[0].tracker
+    prompt_lps = next((o.prompt_logprobs for o in first.outputs if o.prompt_logprobs), None)
     prompt_text = ""
-    entries: list = []
     if body.echo:
         prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-        if body.logprobs is not None:
-            prompt_lps = next((o.prompt_logprobs for o in tracker.outputs if o.prompt_logprobs), None)
-            prompt_lps = prompt_lps or (None,) * len(prompt_ids)
-            entries = list(zip(prompt_ids, prompt_lps))
-    logprobs = _legacy_logprobs(tokenizer, entries + gen_lps, 0) if body.logprobs is not None else None
-    choice = {"index": 0, "text": prompt_text + text, "logprobs": logprobs,
-              "finish_reason": "length" if score_only else last.finish_reason}
-    usage = _usage(last, 0 if score_only else None)
-    return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
+    out = []
+    for choice in choices:
+        outs = [] if score_only else choice.tracker.outputs
+        text = "".join(o.new_text for o in outs)
+        gen_lps = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
+        entries: list = []
+        if body.echo and body.logprobs is not None:
+            entries = list(zip(prompt_ids, prompt_lps or (None,) * len(prompt_ids)))
+        logprobs = _legacy_logprobs(tokenizer, entries + gen_lps, 0) if body.logprobs is not None else None
+        out.append({"index": choice.index, "text": prompt_text + text, "logprobs": logprobs,
+                    "finish_reason": "length" if score_only else choice.tracker.last.finish_reason})
+    usage = _choices_usage(choices, prefill, 0 if score_only else None)
+    return {**head, "object": "text_completion", "choices": out, "usage": usage}
 
 
-async def _completion_stream(outputs: AsyncIterator[RequestOutput], head: dict[str, Any], tokenizer,
+async def _completion_stream(choices: list[Choice], prefill: Optional[_Tracker], head: dict[str, Any], tokenizer,
                              want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
     chunk_head = {**head, "object": "text_completion"}
-    last, offset = None, 0
+    offsets = [0] * len(choices)
+    outputs = merge(choices)
     try:
-        async for out in outputs:
-            last = out
+        async for index, out in outputs:
             logprobs = None
             if want_logprobs:
-                logprobs = _legacy_logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offset)
-            offset += len(out.new_text)
+                logprobs = _legacy_logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index])
+            offsets[index] += len(out.new_text)
             if out.new_text or out.finished or logprobs:
-                yield _sse({**chunk_head, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
+                yield _sse({**chunk_head, "choices": [{"index": index, "text": out.new_text, "logprobs": logprobs,
                                                        "finish_reason": out.finish_reason if out.finished else None}]})
-        if include_usage and last is not None:
-            yield _sse({**chunk_head, "choices": [], "usage": _usage(last)})
-    except RuntimeError as exc:
-        yield _sse(error_body(str(exc), "server_error"))
+        if include_usage:
+            yield _sse({**chunk_head, "choices": [], "usage": _choices_usage(choices, prefill)})
+    except Exception as exc:  # ApiError from the engine, or a failure: an error event, then [DONE]
+        yield _stream_error(head["id"], exc)
     finally:
         await outputs.aclose()
     yield "data: [DONE]\n\n"
@@ -496,24 +626,31 @@ async def _completion_stream(outputs: AsyncIterator[RequestOutput], head: dict[s
 
 async def _generate(state: ServerState, request: Request, body: p.GenerateRequest) -> Response:
     """SGLang /generate: text is cumulative in stream chunks, as SGLang sends it by default."""
+    rid = bind_request_id(request, body.rid or uuid.uuid4().hex)
     tokenizer = state.engine.tokenizer
-    prompt_ids = tokenizer.encode(body.text) if body.text is not None else list(body.input_ids)
+    if body.text is not None:
+        prompt_ids, prompt_param = await state.workers.run(tokenizer.encode, body.text), "text"
+    else:
+        prompt_ids, prompt_param = list(body.input_ids), "input_ids"
     sp = body.sampling_params
     if sp.max_new_tokens < 1:
         raise ApiError(400, f"sampling_params.max_new_tokens: must be >= 1, got {sp.max_new_tokens}",
                        param="sampling_params.max_new_tokens")
-    max_tokens = _max_tokens(state, len(prompt_ids), sp.max_new_tokens)
-    params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                            top_k=sp.top_k if sp.top_k not in (None, 0, -1) else None, min_p=sp.min_p, seed=sp.seed,
-                            stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
-                            ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
-    rid = body.rid or uuid.uuid4().hex
-    # a router (sglang-router) drops body extras but passes X-SMG-Routing-Key: use it as the session
-    session_id = request_session_id(body.session_id, request.headers)
+    max_tokens = _max_tokens(state, len(prompt_ids), sp.max_new_tokens, prompt_param,
+                             "sampling_params.max_new_tokens")
+    _check_prompt_ids(state, prompt_ids, prompt_param)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                top_k=sp.top_k if sp.top_k not in (None, 0, -1) else None, min_p=sp.min_p,
+                                seed=sp.seed, stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                                ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
+    except ValueError as exc:
+        raise bad_request(exc, "sampling_params.") from exc
+    session_id = _session_id(state, body, request)
     tracker = _Tracker(rid, "generate", session_id)
     offsets = _message_offsets(body.message_offsets, len(prompt_ids))
     outputs = await _start(state, tracker, prompt_ids, params,
-                           {**_extras(body, session_id), "message_offsets": offsets})
+                           {**_extras(body, session_id, request), "message_offsets": offsets})
 
     def payload() -> dict[str, Any]:
         last = tracker.last
@@ -529,8 +666,8 @@ async def _generate(state: ServerState, request: Request, body: p.GenerateReques
             try:
                 async for _ in outputs:
                     yield _sse(payload())
-            except RuntimeError as exc:  # the request failed, or the engine stopped
-                yield _sse(error_body(str(exc), "server_error"))
+            except Exception as exc:  # ApiError from the engine, or a failure: an error event, then [DONE]
+                yield _stream_error(rid, exc)
             finally:
                 await outputs.aclose()
             yield "data: [DONE]\n\n"
@@ -546,8 +683,8 @@ def _server_info(state: ServerState) -> dict[str, Any]:
     engine = state.engine
     cfg = engine.config
     return {
-        "model_path": state.settings.model_path or engine.name,
-        "tokenizer_path": state.settings.model_path or engine.name,
+        "model_path": state.public_model_path,
+        "tokenizer_path": state.public_model_path,
         "served_model_name": state.model_name,
         "is_generation": True,
         "context_length": engine.max_model_len,
@@ -570,7 +707,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
 
 
 def _model_card(state: ServerState, name: str) -> p.ModelCard:
-    return p.ModelCard(id=name, created=state.created, root=state.settings.model_path or state.engine.name,
+    return p.ModelCard(id=name, created=state.created, root=state.public_model_path,
                        max_model_len=state.context_limit)
 
 
@@ -579,30 +716,33 @@ def _models_and_tokens_router(state: ServerState) -> APIRouter:
     dependency given to `include_router` (e.g. API-key authentication) covers all of them."""
     router = APIRouter()
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses=READ_ERRORS)
     async def models() -> dict[str, Any]:
         """One card per served name, the reported one first (as vLLM lists --served-model-name)."""
         return p.ModelList(data=[_model_card(state, name) for name in state.names.reported]).model_dump()
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", responses=error_responses(401, 404, 500))
     async def model(model_id: str) -> dict[str, Any]:
         _check_model(state, model_id)
         return _model_card(state, model_id).model_dump()
 
-    @router.post("/tokenize")
-    async def tokenize_text(body: TokenizeRequest) -> dict[str, Any]:
+    # bodies parsed within the limits and tokenized off the loop, as on the inference routes
+    @router.post("/tokenize", openapi_extra=json_request_body(TokenizeRequest), responses=TOKEN_ERRORS)
+    async def tokenize_text(request: Request) -> dict[str, Any]:
+        body = await state.parse(request, TokenizeRequest)
         _check_model(state, body.model)
-        return tokenize(state.engine.tokenizer, body, state.context_limit)
+        return await state.workers.run(tokenize, state.engine.tokenizer, body, state.context_limit)
 
-    @router.post("/detokenize")
-    async def detokenize_ids(body: DetokenizeRequest) -> dict[str, Any]:
+    @router.post("/detokenize", openapi_extra=json_request_body(DetokenizeRequest), responses=TOKEN_ERRORS)
+    async def detokenize_ids(request: Request) -> dict[str, Any]:
+        body = await state.parse(request, DetokenizeRequest)
         _check_model(state, body.model)
         error = check_token_ids(body.tokens, state.engine.model_config.vocab_size)
         if error:
             raise ApiError(400, error, param="tokens")
-        return detokenize(state.engine.tokenizer, body.tokens)
+        return await state.workers.run(detokenize, state.engine.tokenizer, body.tokens)
 
-    @router.get("/version")
+    @router.get("/version", responses=READ_ERRORS)
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
@@ -616,16 +756,17 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return answer(exc.status, error_body(exc.message, exc.error_type, exc.param, exc.code), exc.headers)
+        return answer(exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return answer(400, error_body(message, param=param))
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return answer(400, error_body(str(exc)))
+        error = bad_request(exc)
+        return answer(400, error.body())
 
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
@@ -639,6 +780,14 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
         return answer(exc.status_code, error_body(str(exc.detail), kind, code=exc.status_code))
+
+    # outermost first: an unexpected exception anywhere (authentication included) is a logged 500
+    app.add_middleware(AuthMiddleware, keys=state.settings.api_keys, on_refuse=state.metrics.observe_error)
+    app.add_middleware(InternalErrorMiddleware, on_error=state.metrics.observe_error)
+
+
+def _engine_unavailable() -> JSONResponse:
+    return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
 
 
 def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[RequestLog] = None) -> FastAPI:
@@ -654,68 +803,92 @@ def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[
             yield
         finally:
             state.async_engine.stop()
+            state.workers.shutdown()
 
     app = FastAPI(title="kvsplice", lifespan=lifespan)
     app.state.kvsplice = state
     _install_error_handlers(app, state)
+    _install_inference_routes(app, state)
+    _install_info_routes(app, state)
+    app.include_router(_models_and_tokens_router(state))
+    install_router_routes(app)
+    install_openapi(app, (p.ChatCompletionRequest, p.CompletionRequest, p.GenerateRequest, TokenizeRequest,
+                          DetokenizeRequest))
+    return app
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
-        return await _chat(state, request, body)
 
-    @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request) -> Response:
-        return await _completion(state, request, body)
+def _install_inference_routes(app: FastAPI, state: ServerState) -> None:
+    """The routes that run the model: each parses its body (bounded, off the loop) and calls its handler."""
 
-    @app.post("/generate")
-    async def generate(body: p.GenerateRequest, request: Request) -> Response:
-        return await _generate(state, request, body)
+    @app.post("/v1/chat/completions", openapi_extra=json_request_body(p.ChatCompletionRequest),
+              responses=INFERENCE_ERRORS)
+    async def chat_completions(request: Request) -> Response:
+        return await _chat(state, request, await state.parse(request, p.ChatCompletionRequest))
 
-    @app.get("/health")
+    @app.post("/v1/completions", openapi_extra=json_request_body(p.CompletionRequest), responses=INFERENCE_ERRORS)
+    async def completions(request: Request) -> Response:
+        return await _completion(state, request, await state.parse(request, p.CompletionRequest))
+
+    @app.post("/generate", openapi_extra=json_request_body(p.GenerateRequest), responses=INFERENCE_ERRORS)
+    async def generate(request: Request) -> Response:
+        return await _generate(state, request, await state.parse(request, p.GenerateRequest))
+
+    @app.post("/flush_cache", responses=ADMIN_ERRORS)
+    async def flush_cache(request: Request) -> Response:
+        """Admin: drop every unlocked cache entry and idle session, of every tenant. POST only."""
+        refuse_browser_request(request)
+        if not state.async_engine.alive:
+            return _engine_unavailable()
+        await state.async_engine.call(state.engine.flush_cache)
+        return JSONResponse({"status": "ok", "message": "cache flushed"})
+
+
+def _add_probe(app: FastAPI, path: str, probe) -> None:
+    """Route GET and HEAD of `path` to `probe` (HEAD: the same status and headers, no body), each with
+    its own OpenAPI operation id."""
+    name = path.strip("/")
+    for method in ("GET", "HEAD"):
+        app.add_api_route(path, probe, methods=[method], responses=PROBE_ERRORS,
+                          operation_id=f"{name}_{method.lower()}")
+
+
+def _install_info_routes(app: FastAPI, state: ServerState) -> None:
+    """Probes, metrics and descriptions of the served model."""
+    engine = state.engine
+
     async def health() -> Response:
         """Liveness: 200 while the engine thread runs (the model is loaded before the app starts)."""
         if not state.async_engine.alive:
             return JSONResponse(error_body("the engine thread died", "server_error"), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/health_generate")
-    @app.get("/readiness")
     async def readiness() -> Response:
         """Readiness: 200 only when the engine thread answers a call between steps."""
         if not state.async_engine.alive:
-            return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
+            return _engine_unavailable()
         try:
             await asyncio.wait_for(state.async_engine.call(lambda: True), timeout=30)
         except (asyncio.TimeoutError, RuntimeError) as exc:
             return JSONResponse(error_body(f"the engine does not answer: {exc!r}", "server_error"), status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    for path, probe in (("/health", health), ("/readiness", readiness), ("/health_generate", readiness)):
+        _add_probe(app, path, probe)
+
+    @app.get("/metrics", responses=error_responses(500), response_class=PlainTextResponse)
     async def metrics() -> Response:
-        snapshot = None
-        if state.async_engine.alive:
-            snapshot = await state.async_engine.call(lambda: take_snapshot(engine))
+        """Prometheus exposition; engine gauges from the last snapshot when the engine thread is busy."""
+        snapshot = await state.snapshots.get()
         return Response(state.metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/get_server_info")
-    @app.get("/server_info")
+    @app.get("/get_server_info", responses=READ_ERRORS)
+    @app.get("/server_info", responses=READ_ERRORS)
     async def server_info() -> dict[str, Any]:
         return _server_info(state)
 
-    @app.get("/get_model_info")
-    @app.get("/model_info")
+    @app.get("/get_model_info", responses=READ_ERRORS)
+    @app.get("/model_info", responses=READ_ERRORS)
     async def model_info() -> dict[str, Any]:
-        return {"model_path": state.settings.model_path or engine.name,
-                "tokenizer_path": state.settings.model_path or engine.name,
+        return {"model_path": state.public_model_path, "tokenizer_path": state.public_model_path,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
                 "served_model_name": state.model_name, "max_model_len": engine.max_model_len}
-
-    @app.post("/flush_cache")
-    @app.get("/flush_cache")
-    async def flush_cache() -> Response:
-        await state.async_engine.call(engine.flush_cache)
-        return JSONResponse({"status": "ok", "message": "cache flushed"})
-
-    app.include_router(_models_and_tokens_router(state))
-    install_router_routes(app)
-    return app

@@ -1,11 +1,25 @@
-"""Chat messages -> prompt token ids through the model's chat template, and reasoning blocks in replies.
+"""Chat messages -> prompt token ids through a chat template, and reasoning blocks in replies.
 
-Messages reach the template as plain dicts, shaped the way HF chat templates expect them:
+    ChatMessages ─message_dicts─> plain dicts ─ChatRenderer._for_template─> what the template can take
+        ─the chat template (the model's, or --chat-template)─> prompt text ─> token ids
+
+Messages reach the template as plain dicts, shaped the way HF chat templates expect them
+(`message_dicts`):
 - list-valued `content` (text parts) is joined into one string;
 - assistant `tool_calls[].function.arguments`, a JSON string in the OpenAI API, is parsed into an object
   (templates such as Qwen's and Llama 3's render it with `tojson`; vLLM does the same conversion);
   a string that is not JSON is passed through unchanged;
 - `reasoning` (vLLM's newer name) is copied to `reasoning_content` (the name templates read).
+
+Then `ChatRenderer` normalises what a template cannot take, judged from its source:
+- `developer` (OpenAI's newer name for system) becomes `system`; content None becomes "";
+- call ids are made what the tool parser's family wants (Mistral: 9 letters and digits), in both the
+  assistant's `tool_calls` and the tool messages' `tool_call_id`;
+- a template that never mentions `tool_calls` gets the calls written into the assistant's content in
+  the tool parser's syntax; one that never mentions `tools` gets the tool definitions in the system
+  message (the parser's instructions, Hermes-style by default);
+- a template that rejects `tool` messages gets them as user turns wrapped in <tool_response>.
+A template that still fails is a ChatTemplateError (HTTP 400) naming the first message it rejects.
 
 Reasoning blocks in replies: with a reasoning parser (`<think>` ... `</think>`), `split_reasoning` moves the
 block out of the reply text into `reasoning_content`, as vLLM's reasoning parsers and DeepSeek's API do.
@@ -15,10 +29,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from kvsplice.message_offsets import message_offsets
 from kvsplice.server.protocol import ChatMessage
+from kvsplice.server.tool_parsers import ToolParser, detect_parser
 from kvsplice.tokenizer import Tokenizer
 
 THINK_START = "<think>"
@@ -61,17 +77,183 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages; `param` names the first message it rejects
+    (`messages[i]`), or is `messages` when no single message is to blame."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`: a file's contents, or the value itself when it is a template (contains
+    `{%` or `{{`). ValueError when it is neither, or is not valid Jinja."""
+    import jinja2
+
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except (OSError, ValueError):  # a template too long, or with a NUL byte, to be a path
+        is_file = False
+    if is_file:
+        source = Path(value).expanduser().read_text()
+    elif "{%" in value or "{{" in value:
+        source = value
+    else:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {error} (line {error.lineno})") from error
+    return source
+
+
+def _template_source(tokenizer: Tokenizer, override: Optional[str]) -> Optional[str]:
+    """The template text that will render chats (a dict of named templates joined), or None."""
+    if override is not None:
+        return override
+    template = getattr(tokenizer.backend, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return template
+
+
+@dataclass(frozen=True)
+class _Rendering:
+    """One chat as the template saw it: the normalised dicts, the tools and extra variables passed, the text."""
+
+    dicts: list[dict[str, Any]]
+    tools: Optional[list[dict[str, Any]]]
+    extra: dict[str, Any]
+    text: str
+
+
+class ChatRenderer:
+    """Renders chats through one template: the model's, or `template` (--chat-template). `parser`:
+    the tool-call syntax used where the template has none (default: detected from the template)."""
+
+    def __init__(self, tokenizer: Tokenizer, template: Optional[str] = None, parser: Optional[ToolParser] = None):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.source = _template_source(tokenizer, template)
+        self.parser = parser or detect_parser(self.source)
+        self.renders_tools = "tools" in (self.source or "")
+        self.renders_tool_calls = "tool_calls" in (self.source or "")
+
+    def prompt_ids(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None,
+                   template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Token ids of the chat with the assistant's turn opened (the template adds any BOS)."""
+        return self.tokenizer.encode(self.render(messages, tools, template_kwargs), add_special_tokens=False)
+
+    def render(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None,
+               template_kwargs: Optional[dict[str, Any]] = None, add_generation_prompt: bool = True) -> str:
+        """The prompt text; `template_kwargs` are extra template variables (e.g. Qwen 3's
+        enable_thinking). Raises ValueError without a chat template, ChatTemplateError when the
+        template rejects the messages."""
+        return self._rendering(messages, tools, template_kwargs, add_generation_prompt).text
+
+    def message_offsets(self, messages: list[ChatMessage], prompt_ids: list[int],
+                        tools: Optional[list[dict[str, Any]]] = None,
+                        template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Offsets into `prompt_ids` (this chat as `prompt_ids()` rendered it) where each message
+        after the first and the reply start, verified against the tokens (`kvsplice.message_offsets`),
+        rendered exactly as the prompt was: this template, the normalised messages."""
+        rendering = self._rendering(messages, tools, template_kwargs, True)
+
+        def render(prefix, add_generation_prompt: bool) -> str:
+            return self._apply(list(prefix), rendering.tools, {**rendering.extra,
+                                                               "add_generation_prompt": add_generation_prompt})
+
+        return message_offsets(self.tokenizer, rendering.dicts, prompt_ids, render=render)
+
+    def _rendering(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]],
+                   template_kwargs: Optional[dict[str, Any]], add_generation_prompt: bool) -> "_Rendering":
+        """The template-ready dicts that render (tool messages become user turns where the template
+        rejects them), the tools and variables passed to the template, and the text."""
+        if self.source is None or not hasattr(self.tokenizer.backend, "apply_chat_template"):
+            raise ValueError("this model has no chat template; use the completions endpoint with a raw prompt, "
+                             "or give one with --chat-template")
+        dicts, origins = self._for_template(message_dicts(messages), tools)
+        template_tools = tools if (tools and self.renders_tools) else None
+        extra = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+        try:
+            return _Rendering(dicts, template_tools, extra, self._apply(dicts, template_tools, extra))
+        except ChatTemplateError as first_error:
+            if not any(d["role"] == "tool" for d in dicts):
+                raise self._blame(dicts, origins, template_tools, extra, first_error) from None
+        dicts = [self._tool_as_user(d) if d["role"] == "tool" else d for d in dicts]
+        try:
+            return _Rendering(dicts, template_tools, extra, self._apply(dicts, template_tools, extra))
+        except ChatTemplateError as error:
+            raise self._blame(dicts, origins, template_tools, extra, error) from None
+
+    def _apply(self, dicts: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]], extra: dict[str, Any]) -> str:
+        try:
+            return self.tokenizer.backend.apply_chat_template(
+                dicts, tools=tools, chat_template=self.template, tokenize=False, **extra)
+        except Exception as error:  # jinja2 raises TemplateError subclasses and plain exceptions
+            raise ChatTemplateError(f"the chat template rejected the messages: {error}") from error
+
+    def _blame(self, dicts, origins, tools, extra, error: ChatTemplateError) -> ChatTemplateError:
+        """`error`, naming the first message whose addition makes the template fail the same way
+        (a shorter chat may fail for another reason: a template that wants a user turn after the
+        system one). Unchanged when no client message is to blame."""
+        for count in range(1, len(dicts) + 1):
+            try:
+                self._apply(dicts[:count], tools, extra)
+            except ChatTemplateError as prefix_error:
+                if str(prefix_error) != str(error) or origins[count - 1] is None:
+                    continue
+                index, role = origins[count - 1]
+                return ChatTemplateError(f"the chat template rejected messages[{index}] (role {role}): "
+                                         f"{prefix_error.__cause__ or prefix_error}", param=f"messages[{index}]")
+        return error
+
+    def _for_template(self, dicts: list[dict[str, Any]], tools):
+        """Normalised dicts and, for each, (index, role) of the client's message it came from (None
+        for a system message added to carry the tools)."""
+        out = [self._normalise(d) for d in dicts]
+        origins: list[Optional[tuple[int, str]]] = [(i, d["role"]) for i, d in enumerate(dicts)]
+        if tools and not self.renders_tools:
+            prompt = self.parser.tools_prompt(tools)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + prompt).lstrip()}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+                origins.insert(0, None)
+        return out, origins
+
+    def _normalise(self, message: dict[str, Any]) -> dict[str, Any]:
+        entry = dict(message)
+        if entry["role"] == "developer":
+            entry["role"] = "system"
+        if entry.get("content") is None:
+            entry["content"] = ""
+        if entry.get("tool_call_id") is not None:
+            entry["tool_call_id"] = self.parser.normalise_call_id(entry["tool_call_id"])
+        calls = entry.get("tool_calls")
+        if calls:
+            calls = [{**call, "id": self.parser.normalise_call_id(call["id"])} if call.get("id") else call
+                     for call in calls]
+            if self.renders_tool_calls:
+                entry["tool_calls"] = calls
+            else:
+                del entry["tool_calls"]
+                entry["content"] += ("\n" if entry["content"] else "") + self.parser.render_calls(calls)
+        return entry
+
+    @staticmethod
+    def _tool_as_user(message: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage],
                     tools: Optional[list[dict[str, Any]]] = None, add_generation_prompt: bool = True,
                     add_special_tokens: bool = False) -> list[int]:
-    """Token ids of the chat, rendered by the model's template (with the assistant's turn opened unless
-    `add_generation_prompt` is False). The template writes the special tokens it wants;
-    `add_special_tokens` adds the tokenizer's own (e.g. BOS) on top, as vLLM's /tokenize may.
-
-    Raises ValueError when the model has no chat template or the template rejects the messages.
-    """
-    text = tokenizer.render_chat(message_dicts(messages), tools=tools or None,
-                                 add_generation_prompt=add_generation_prompt)
+    """Token ids of the chat through the model's own template (see ChatRenderer), with the assistant's
+    turn opened unless `add_generation_prompt` is False. The template writes the special tokens it
+    wants; `add_special_tokens` adds the tokenizer's own (e.g. BOS) on top, as vLLM's /tokenize may."""
+    text = ChatRenderer(tokenizer).render(messages, tools, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -79,7 +261,7 @@ def chat_message_offsets(tokenizer: Tokenizer, messages: list[ChatMessage], prom
                          tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
     """Offsets into `prompt_ids` (this chat as `chat_prompt_ids` rendered it) where each message after
     the first and the reply start, each verified against the tokens (`kvsplice.message_offsets`)."""
-    return message_offsets(tokenizer, message_dicts(messages), prompt_ids, tools or None)
+    return ChatRenderer(tokenizer).message_offsets(messages, prompt_ids, tools or None)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,15 @@ EXIT_DEADLINE_S. A ServerThread (tests) keeps its process: it only calls the hoo
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, TextIO
 
 import uvicorn
 
@@ -52,11 +54,36 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Option
     return app
 
 
-def serve(engine_config: EngineConfig, settings: ServerSettings, log_level: str = "warning") -> int:
+def is_loopback(host: str) -> bool:
+    """True when `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def exposure_warning(settings: ServerSettings) -> Optional[str]:
+    """The start-up warning for a server listening beyond loopback without an API key, or None."""
+    host = settings.host or "127.0.0.1"
+    if is_loopback(host) or settings.api_keys.enabled:
+        return None
+    return (f"kvsplice serve: warning: listening on {host}:{settings.port} without an API key: anyone who can "
+            f"reach this port can use the model, read /get_server_info and flush the cache; set "
+            f"KVSPLICE_API_KEY (or --api-key) or listen on 127.0.0.1 (docs/SECURITY.md)")
+
+
+def serve(engine_config: EngineConfig, settings: ServerSettings, log_level: str = "warning",
+          stderr: TextIO = sys.stderr) -> int:
     """Load the model and serve on settings.host:settings.port until interrupted (blocks). Returns
     the process's exit status: 0 after an interrupt, ENGINE_FAILED_EXIT when the engine stopped.
     `KVSPLICE_FAILPOINTS` in the environment arms failpoints (tests of the process itself). Log
-    records (failed requests with their tracebacks, the engine stopping) go to stderr."""
+    records (failed requests with their tracebacks, the engine stopping) go to stderr. Warns on
+    `stderr` first when the server is reachable beyond loopback without an API key."""
+    warning = exposure_warning(settings)
+    if warning:
+        print(warning, file=stderr, flush=True)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")   # no-op if configured
     app = build_app(engine_config, settings, failpoints=Failpoints.from_env(os.environ))
     config = uvicorn.Config(app, host=settings.host or "127.0.0.1", port=settings.port or 8000,

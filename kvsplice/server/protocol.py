@@ -1,23 +1,43 @@
 """Request and response bodies of the HTTP API (OpenAI, vLLM extras, SGLang `/generate`), as pydantic models.
 
-Requests ignore unknown fields (clients such as the `openai` package send fields we have no use for, e.g.
-`user`), but fields we know and cannot honour are declared and rejected when set to anything other than
-their neutral value (`n > 1`, penalties, `logit_bias`, `best_of > 1`, `suffix`): the caller learns at once
-that the answer would not be what they asked for. Counts are `StrictInt` so that `"5"` or `5.5` is a type
-error (HTTP 400), not silently coerced.
+The OpenAI endpoints declare every field they know (docs/COMPATIBILITY.md lists each with its status) and
+refuse any other with a 400 naming it: a field that is not honoured is never accepted silently. A known
+field kvsplice cannot honour is refused when set to anything but its neutral value (`audio`, `functions`,
+`suffix`, ...); a few that change nothing about the answer are accepted and ignored (`user`, `metadata`,
+`store: false`). Counts are `StrictInt` so that `"5"` or `5.5` is a type error (HTTP 400), not silently
+coerced.
 
 kvsplice extras on both OpenAI endpoints: `cache_salt` (cache namespace), `session_id` (names the
 conversation for SCR session matching), `scr` ("on", "off" or an object of per-request settings).
 `message_offsets` (completions and /generate): token offsets where the prompt's messages start, so a
 hybrid model saves its linear layers' state there; chat completions compute them from the template and
 refuse the field.
+
+Size limits (kvsplice.server.limits.RequestLimits) come in through the validation context
+(`Model.model_validate(obj, context={"limits": limits})`); without one the static defaults apply and
+the message count is unbounded. A message count over the limit is refused before the messages are
+validated one by one. An empty stop string is refused whether it comes alone (`"stop": ""`) or in a
+list (`"stop": [""]`), as vLLM does: it would match before the first token.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
+
+from kvsplice.server.limits import RequestLimits
+
+from kvsplice.structured.spec import canonical_json, check_schema, nesting_depth
+
+MAX_N = 16              # choices per request (n, best_of)
+MAX_TOOLS = 128         # OpenAI's limit on `tools`
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule for function and json_schema names
+MAX_TEMPLATE_KWARGS = 16   # chat_template_kwargs entries
+# variables a chat template gets from the server itself (chat_template_kwargs may not replace them)
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "chat_template",
+                                     "tokenize", "continue_final_message", "return_dict"})
 
 
 class _Request(BaseModel):
@@ -26,10 +46,130 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
-    """OpenAI `stream_options`: `include_usage` adds a final chunk with `usage` and no choices."""
+def request_limits(info: ValidationInfo) -> RequestLimits:
+    """The limits passed in the validation context, or the static defaults."""
+    return (info.context or {}).get("limits") or RequestLimits()
+
+
+def _check_stop(stop: Union[str, list[str], None], info: ValidationInfo) -> Union[str, list[str], None]:
+    """`stop`: at most max_stop entries, each non-empty and at most max_stop_chars characters."""
+    if stop is None:
+        return stop
+    limits = request_limits(info)
+    entries = [stop] if isinstance(stop, str) else stop
+    if len(entries) > limits.max_stop:
+        raise ValueError(f"at most {limits.max_stop} stop strings are allowed, got {len(entries)}")
+    for entry in entries:
+        if entry == "":
+            raise ValueError("stop strings must be non-empty (an empty one would match before the first token)")
+        if len(entry) > limits.max_stop_chars:
+            raise ValueError(f"a stop string may have at most {limits.max_stop_chars} characters, "
+                             f"got {len(entry)}")
+    return stop
+
+
+def _check_stop_token_ids(ids: Optional[list[int]], info: ValidationInfo) -> Optional[list[int]]:
+    limit = request_limits(info).max_stop
+    if ids is not None and len(ids) > limit:
+        raise ValueError(f"at most {limit} stop token ids are allowed, got {len(ids)}")
+    return ids
+
+
+def _check_id(value: Optional[str], info: ValidationInfo) -> Optional[str]:
+    """An identifier (`session_id`, `cache_salt`, `rid`): at most max_id_chars characters."""
+    limit = request_limits(info).max_id_chars
+    if value is not None and len(value) > limit:
+        raise ValueError(f"may have at most {limit} characters, got {len(value)}")
+    return value
+
+
+class _OpenAIRequest(_Request):
+    """Base of the OpenAI request bodies: a field that is not declared is refused (400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _refuse_unless_neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{name} is not supported by this server (see docs/COMPATIBILITY.md)")
+    return value
+
+
+class StreamOptions(_OpenAIRequest):
+    """OpenAI `stream_options`: `include_usage` adds a final chunk with `usage` and no choices;
+    `include_obfuscation` (random padding against side channels) is accepted and not needed here."""
 
     include_usage: StrictBool = False
+    include_obfuscation: Optional[StrictBool] = None
+
+
+class FunctionDefinition(_OpenAIRequest):
+    """`tools[].function`: the name, what it does, the JSON schema of its arguments, `strict`
+    (arguments always match the schema when the call is grammar-forced, strict or not)."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, parameters: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if parameters is not None:
+            check_schema(parameters, "parameters")
+        return parameters
+
+
+class Tool(_OpenAIRequest):
+    """One entry of `tools` (function tools only)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(_OpenAIRequest):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly that function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_OpenAIRequest):
+    """`response_format.json_schema`: a name, the schema, `strict` (enforced either way)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Optional[str] = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_OpenAIRequest):
+    """`response_format`: text (no constraint), any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(_OpenAIRequest):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[StrictBool] = None
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class FunctionCall(BaseModel):
@@ -52,8 +192,9 @@ class ToolCall(BaseModel):
 class ContentPart(BaseModel):
     """A part of a list-valued `content`; only text parts are supported (this is a text-only server)."""
 
-    model_config = ConfigDict(extra="allow")
-    type: str
+    # The document says what is accepted (a text part); validation keeps the clearer error for the rest.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["type", "text"]})
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: Optional[str] = None
 
     @model_validator(mode="after")
@@ -80,8 +221,8 @@ class ChatMessage(BaseModel):
     reasoning: Optional[str] = None
 
 
-class _SamplingFields(_Request):
-    """Sampling fields shared by chat and completions (OpenAI names plus vLLM extras)."""
+class _SamplingFields(_OpenAIRequest):
+    """Fields shared by chat and completions (OpenAI names, vLLM extras, kvsplice extras)."""
 
     model: Optional[str] = None
     temperature: Optional[float] = None
@@ -89,6 +230,7 @@ class _SamplingFields(_Request):
     top_k: Optional[StrictInt] = None
     min_p: Optional[float] = None
     max_tokens: Optional[StrictInt] = None
+    min_tokens: StrictInt = 0
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     seed: Optional[StrictInt] = None
@@ -97,36 +239,96 @@ class _SamplingFields(_Request):
     n: StrictInt = 1
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[Literal["xgrammar", "auto"]] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    user: Optional[str] = None
     cache_salt: Optional[str] = None
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
+    # SGLang fields sglang-router adds to every request it forwards, at their defaults (those are what
+    # kvsplice does); any other value is refused
+    no_stop_trim: Optional[StrictBool] = None
+    continue_final_message: Optional[StrictBool] = None
+    separate_reasoning: Optional[StrictBool] = None
+    stream_reasoning: Optional[StrictBool] = None
+    return_hidden_states: Optional[StrictBool] = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> "_SamplingFields":
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported, got {self.n}")
-        if self.presence_penalty != 0 or self.frequency_penalty != 0:
-            raise ValueError("presence_penalty / frequency_penalty: penalties are not supported (use 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
-        if self.max_tokens is not None and self.max_tokens < 0:
-            raise ValueError(f"max_tokens: must be >= 0, got {self.max_tokens}")
-        return self
+    _stop_limits = field_validator("stop")(_check_stop)
+    _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
+    _id_limits = field_validator("cache_salt", "session_id")(_check_id)
+
+    @field_validator("no_stop_trim", "continue_final_message", "return_hidden_states")
+    @classmethod
+    def _sglang_off(cls, value: Optional[bool], info) -> Optional[bool]:
+        return _refuse_unless_neutral(f"{info.field_name}: true", value, (None, False))
+
+    @field_validator("separate_reasoning", "stream_reasoning")
+    @classmethod
+    def _sglang_on(cls, value: Optional[bool], info) -> Optional[bool]:
+        return _refuse_unless_neutral(f"{info.field_name}: false", value, (None, True))
+
+    @field_validator("n")
+    @classmethod
+    def _n_in_range(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"must be in [1, {MAX_N}], got {n}")
+        return n
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_not_negative(cls, max_tokens: Optional[int]) -> Optional[int]:
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"must be >= 0, got {max_tokens}")
+        return max_tokens
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. `max_completion_tokens` (newer OpenAI name) wins over `max_tokens`."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Any = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # accepted and ignored: they change nothing about the answer
+    metadata: Optional[dict[str, str]] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    store: Optional[StrictBool] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    # refused unless null
+    audio: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    moderation: Optional[Any] = None
     message_offsets: Any = None   # refused: the server computes them from the messages
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _message_count(cls, messages: Any, info: ValidationInfo) -> Any:
+        limit = request_limits(info).max_messages
+        if isinstance(messages, list) and limit is not None and len(messages) > limit:
+            raise ValueError(f"at most {limit} messages are allowed, got {len(messages)}")
+        return messages
 
     @field_validator("messages")
     @classmethod
@@ -134,6 +336,51 @@ class ChatCompletionRequest(_SamplingFields):
         if not messages:
             raise ValueError("messages must contain at least one message")
         return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_count(cls, tools: Optional[list[Tool]]) -> Optional[list[Tool]]:
+        if tools is not None and len(tools) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
+        return tools
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if kwargs is None:
+            return kwargs
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here (the server sets them)")
+        if len(kwargs) > MAX_TEMPLATE_KWARGS or nesting_depth(kwargs) > 4 or len(canonical_json(kwargs)) > 4096:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} variables, 4 levels deep, 4 KiB as JSON")
+        return kwargs
+
+    @field_validator("audio", "functions", "function_call", "prediction", "reasoning_effort", "verbosity",
+                     "web_search_options", "moderation")
+    @classmethod
+    def _refused(cls, value: Any, info) -> Any:
+        hint = {"functions": " (use tools)", "function_call": " (use tool_choice)"}.get(info.field_name, "")
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server{hint} (see docs/COMPATIBILITY.md)")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, store: Optional[bool]) -> Optional[bool]:
+        return _refuse_unless_neutral("store: true (stored completions)", store, (None, False))
+
+    @field_validator("service_tier")
+    @classmethod
+    def _tier(cls, tier: Optional[str]) -> Optional[str]:
+        return _refuse_unless_neutral(f"service_tier {tier!r}", tier, (None, "auto", "default"))
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, modalities: Optional[list[str]]) -> Optional[list[str]]:
+        if modalities is not None and set(modalities) - {"text"}:
+            raise ValueError("only the text modality is supported")
+        return modalities
 
     @model_validator(mode="after")
     def _chat_checks(self) -> "ChatCompletionRequest":
@@ -151,21 +398,30 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a one-element list of either
-    (several prompts in one request are refused with 400: send one request per prompt)."""
+    (several prompts in one request are refused with 400: send one request per prompt). `best_of`
+    may only repeat `n` (choosing the best of more choices than are returned is not supported)."""
 
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": 1,
+         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
     message_offsets: Optional[list[StrictInt]] = None
 
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: Optional[str]) -> Optional[str]:
+        return _refuse_unless_neutral("suffix (insertion)", suffix, (None, ""))
+
     @model_validator(mode="after")
     def _completion_checks(self) -> "CompletionRequest":
-        if self.best_of not in (None, 1):
-            raise ValueError(f"best_of: only 1 is supported, got {self.best_of}")
-        if self.suffix:
-            raise ValueError("suffix: not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError(f"best_of: only best_of == n is supported, got best_of={self.best_of}, n={self.n}")
         return self
 
     def single_prompt(self) -> Union[str, list[int]]:
@@ -198,9 +454,16 @@ class GenerateSamplingParams(_Request):
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
+    _stop_limits = field_validator("stop")(_check_stop)
+    _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
+
 
 class GenerateRequest(_Request):
     """SGLang POST /generate: exactly one of `text` or `input_ids`, `sampling_params`, `stream`."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}}]})
 
     text: Optional[str] = None
     input_ids: Optional[list[StrictInt]] = None
@@ -211,6 +474,8 @@ class GenerateRequest(_Request):
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
     message_offsets: Optional[list[StrictInt]] = None
+
+    _id_limits = field_validator("rid", "cache_salt", "session_id")(_check_id)
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":

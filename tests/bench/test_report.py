@@ -169,3 +169,27 @@ def test_unreadable_inputs_exit_2(tmp_path, capsys):
     assert report_main([str(bad)]) == 2
     assert "line 2" in capsys.readouterr().err
     assert report_main([]) == 2
+
+
+def test_sessions_and_fallback_reasons_are_counted_and_shown(tmp_path):
+    records = _good_records()
+    records[0]["usage"]["reuse"]["fallback"] = "no_candidate"
+    records[3]["usage"]["reuse"]["fallback"] = "no_candidate"
+    records[2]["usage"]["reuse"]["fallback"] = "no_spans"
+    records.append(_record("b", 2, "update_note", _usage(120, 20, 0, session="new")))
+    records[-1]["usage"]["reuse"]["fallback"] = "low_overlap"
+    report = build_report(load_run(_write_run(tmp_path / "s.jsonl", records)))
+    assert report.problems == []
+    everything, edited = report.sessions["all"], report.sessions["edited"]
+    assert everything.session == {"matched": 3, "new": 3} and everything.requests == 6
+    assert everything.fallback == {"low_overlap": 1, "no_candidate": 2, "no_spans": 1}
+    assert edited.requests == 3 and edited.matched_share == pytest.approx(2 / 3)
+    assert edited.fallback == {"low_overlap": 1}
+    text = format_report(report)
+    assert "## SCR sessions and fallback reasons" in text
+    assert "| edited | s | 3 | 2 (66.7%) | 1 | 0 | low_overlap 1 |" in text
+    other = {"type": "request", "conversation_id": "x", "turn": 0, "edit": "first", "ttft_s": 0.1, "total_s": 0.2,
+             "output_text": "", "finish_reason": "stop", "error": None,
+             "usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}}
+    foreign = build_report(load_run(_write_run(tmp_path / "vllm.jsonl", [other])))
+    assert foreign.sessions["all"].session == {"unknown": 1} and foreign.sessions["all"].fallback == {"none": 1}

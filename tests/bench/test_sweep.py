@@ -29,7 +29,10 @@ def test_reuse_falls_when_conversations_outgrow_the_pool(tmp_path: Path):
     alone, crowded = points
     assert alone.errors == crowded.errors == 0
     reused = lambda p: p.prefix_share + p.relocated_share  # noqa: E731
-    assert reused(alone) > 0.5
+    # Alone, every turn after the first reuses all but its new messages: over 40% of the prompt
+    # tokens in this trace (the tool calls and results it adds each turn are rendered as text by the
+    # tiny model's template, so new content is about half of what is sent).
+    assert reused(alone) > 0.4
     assert reused(crowded) < reused(alone)
     assert status == 0 and bad == 2
     written = write_sweep(points, tmp_path / "out")

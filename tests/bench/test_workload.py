@@ -5,7 +5,7 @@ import pytest
 
 from kvsplice.bench.commands import workload_main
 from kvsplice.bench.trace import KNOWN_EDITS, load_trace
-from kvsplice.bench.workload import THINK_RE, estimate_tokens, generate_traces
+from kvsplice.bench.workload import EARLY_EDITS, EARLY_LIMIT_TOKENS, THINK_RE, estimate_tokens, generate_traces
 
 SMALL = dict(min_tokens=300, max_tokens=800, min_turns=4, max_turns=6, max_output_tokens=32)
 
@@ -85,3 +85,43 @@ def test_workload_command_writes_a_valid_trace(tmp_path):
     assert workload_main(["--out", str(out), "--conversations", "2", "--seed", "1", "--min-tokens", "900",
                           "--max-tokens", "800"]) == 2
     assert workload_main(["--out", str(out)]) == 2
+
+
+EARLY = dict(min_tokens=1500, max_tokens=3000, min_turns=5, max_turns=7, max_output_tokens=16, edits="early")
+
+
+def test_early_edits_change_the_context_before_token_1024_every_turn():
+    conversations = generate_traces(10, seed=2, **EARLY)
+    kinds = collections.Counter(turn.edit for c in conversations for turn in c.turns[1:])
+    assert set(kinds) == set(EARLY_EDITS) | {"append"}, kinds
+    for conversation in conversations:
+        assert conversation.id.startswith("e2-") and conversation.turns[0].edit == "first"
+        for previous, turn in zip(conversation.turns, conversation.turns[1:]):
+            old, new = list(previous.messages), list(turn.messages)
+            assert _answered(new) and new[-2]["role"] == "assistant" and new[-1]["role"] == "tool"
+            if turn.edit == "append":  # only while the context is still short
+                assert new[: len(old)] == old and estimate_tokens(old) < EARLY_LIMIT_TOKENS
+                continue
+            first_change = next(offset for offset, (a, b) in enumerate(zip(old, new)) if a != b)
+            assert estimate_tokens(new[:first_change]) < EARLY_LIMIT_TOKENS, turn.edit
+            if turn.edit == "edit_system":
+                assert first_change == 0 and new[0]["content"].split(".")[0] != old[0]["content"].split(".")[0]
+                assert new[0]["content"].split(". ", 1)[1] == old[0]["content"].split(". ", 1)[1]
+            elif turn.edit == "move_message":
+                assert (new[1], new[2]) == (old[2], old[1]) and new[3:len(old)] == old[3:]
+            elif turn.edit == "two_edits":
+                assert sum(a != b for a, b in zip(old, new)) >= 2
+
+
+def test_early_profile_is_deterministic_and_checked():
+    assert generate_traces(2, seed=3, **EARLY) == generate_traces(2, seed=3, **EARLY)
+    with pytest.raises(ValueError, match="edits"):
+        generate_traces(1, 0, edits="late")
+
+
+def test_workload_command_takes_the_edit_profile(tmp_path):
+    out = tmp_path / "e.jsonl"
+    argv = ["--out", str(out), "--conversations", "1", "--seed", "4", "--min-tokens", "1500", "--max-tokens",
+            "3000", "--min-turns", "4", "--max-turns", "4", "--max-output-tokens", "16", "--edits", "early"]
+    assert workload_main(argv) == 0
+    assert load_trace(out)[0].id == "e4-0" and workload_main(argv[:-1] + ["late"]) == 2

@@ -157,3 +157,21 @@ def test_small_pool_with_sessions_leaks_nothing(model_dir):
     llm.engine.flush_cache()
     llm.engine.check_integrity()
     assert llm.engine.slots_in_use() == 0
+
+
+def test_prompt_logprobs_say_why_and_keep_the_session_for_the_next_turn(model_dir):
+    """Prompt logprobs need every position computed: no relocation, fallback "prompt_logprobs", the
+    logprobs those of a cold run; the session still takes the turn, so the next edit relocates."""
+    llm = make_llm(model_dir)
+    llm.generate([TURN1], GREEDY, session_id="c-lp")
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    scored = llm.generate([TURN2], scoring, session_id="c-lp")[0]
+    assert scored.reuse.session == "matched" and scored.reuse.fallback == "prompt_logprobs"
+    assert scored.reuse.relocated_tokens == 0 and scored.reuse.prefilled_tokens == len(TURN2)
+    reference = cold(model_dir, TURN2, scoring)
+    for ours, theirs in zip(scored.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
+        assert abs(ours.logprob - theirs.logprob) <= 1e-4
+    edited = SYSTEM + NOTES + TAIL + ids(10, 6) + ids(8, 9)
+    after = llm.generate([edited], GREEDY, session_id="c-lp")[0]
+    assert after.reuse.session == "matched" and after.reuse.relocated_tokens > 0
+    llm.engine.check_integrity()

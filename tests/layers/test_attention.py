@@ -122,3 +122,16 @@ def test_batched_decode_path_equals_the_reference(torch_seed):
     fast = paged_attention(q, 0, batch, pool, 1 / math.sqrt(D))
     reference = paged_attention_reference(q, 0, batch, pool, 1 / math.sqrt(D))
     torch.testing.assert_close(fast, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_contiguous_decode_attention_masks_by_length(torch_seed):
+    from kvsplice.layers.attention import contiguous_decode_attention, length_mask
+
+    lengths = torch.tensor([3, 7])
+    q, k, v = torch.randn(2, HQ, D), torch.randn(2, HKV, 7, D), torch.randn(2, HKV, 7, D)
+    out = contiguous_decode_attention(q, k, v, length_mask(lengths, 7), D ** -0.5)
+    for row, n in enumerate(lengths.tolist()):
+        positions = torch.arange(n)
+        expected = _naive_attention(q[row:row + 1], k[row, :, :n].transpose(0, 1), v[row, :, :n].transpose(0, 1),
+                                    positions[-1:], positions)
+        torch.testing.assert_close(out[row:row + 1], expected, atol=1e-5, rtol=1e-5)

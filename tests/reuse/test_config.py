@@ -12,7 +12,9 @@ from kvsplice.reuse.config import (
 def test_defaults_follow_the_overlay_config():
     cfg = ReuseConfig()
     assert (cfg.enabled, cfg.max_spans, cfg.tail, cfg.min_span, cfg.max_sessions) == (True, 6, 16, 64, 16)
-    assert (cfg.match_window, cfg.match_min_tokens, cfg.match_min_ratio, cfg.match_ambig_margin) == (8192, 1024, 0.55, 0.15)
+    assert (cfg.match_min_tokens, cfg.match_min_ratio, cfg.match_min_coverage, cfg.match_ambig_margin) == (64, 0.5, 0.3, 0.15)
+    assert (cfg.match_chunk_tokens, cfg.match_min_run, cfg.match_max_postings, cfg.match_max_candidates) == (16, 16, 8, 4)
+    assert [ReuseConfig(match_min_tokens=n).match_chunk_tokens for n in (1, 16, 100, 1024)] == [4, 4, 16, 256]
     assert (cfg.fastdiff_min, cfg.cdc_target, cfg.no_rerotate) == (2048, 64, False)
 
 
@@ -36,11 +38,18 @@ def test_from_env_applies_overlay_names():
 
 @pytest.mark.parametrize("name, raw", [
     ("KVREUSE_MAX_BLOCKS", "many"), ("KVREUSE_V6_MIN_EXTEND", "0"), ("KVREUSE_ENABLED", "maybe"),
-    ("KVREUSE_MATCH_MIN_RATIO", "1.5"), ("KVREUSE_CDC_TARGET", "48"), ("KVREUSE_MATCH_MIN_TOKENS", "9000"),
+    ("KVREUSE_MATCH_MIN_RATIO", "1.5"), ("KVREUSE_CDC_TARGET", "48"), ("KVREUSE_MATCH_MIN_TOKENS", "0"),
+    ("KVREUSE_MATCH_MAX_POSTINGS", "0"), ("KVREUSE_MATCH_MIN_COVERAGE", "-0.1"),
 ])
 def test_from_env_bad_values_name_the_variable(name, raw):
-    with pytest.raises(ValueError, match=name if name != "KVREUSE_MATCH_MIN_TOKENS" else "match_min_tokens"):
+    with pytest.raises(ValueError, match=name):
         ReuseConfig.from_env({name: raw})
+
+
+@pytest.mark.parametrize("name", ["KVREUSE_MATCH_WINDOW", "KVREUSE_MATCH_MIN_PREFIX_FRAC", "KVREUSE_MATCH_MIN_OVERLAP"])
+def test_retired_overlay_variables_are_refused_not_ignored(name):
+    with pytest.raises(ValueError, match=f"{name}: no longer used"):
+        ReuseConfig.from_env({name: "8192"})
 
 
 def test_replace_validates_and_rejects_unknown_names():

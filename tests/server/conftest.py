@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -56,8 +58,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
 
 
-def start_server(model_dir: Path, **engine_kwargs) -> RunningServer:
-    """Build an engine on `model_dir` and serve it from a background thread on a free port."""
+def start_server(model_dir: Path, settings_kwargs: dict | None = None, **engine_kwargs) -> RunningServer:
+    """Build an engine on `model_dir` and serve it from a background thread on a free port.
+    `settings_kwargs`: ServerSettings fields (api_keys, limits, ...)."""
     from kvsplice.config import EngineConfig
     from kvsplice.server.api import ServerSettings
     from kvsplice.server.launch import ServerThread, build_app
@@ -65,7 +68,7 @@ def start_server(model_dir: Path, **engine_kwargs) -> RunningServer:
 
     sink = LineSink()
     config = EngineConfig(model=str(model_dir), **engine_kwargs)
-    settings = ServerSettings(model_path=str(model_dir), replica_name="r0")
+    settings = ServerSettings(model_path=str(model_dir), replica_name="r0", **(settings_kwargs or {}))
     app = build_app(config, settings, RequestLog(sink))
     thread = ServerThread(app)
     thread.start()
@@ -88,3 +91,21 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def engine_call(server: RunningServer, fn):
+    """`fn()` run on the server's engine thread between steps (AsyncEngine.call), from a test thread."""
+    return asyncio.run(server.state.async_engine.call(fn))
+
+
+def assert_idle_without_leak(server: RunningServer, timeout_s: float = 20.0) -> None:
+    """Wait until no request runs or waits, then check the pool's conservation and that no slot is held
+    beyond idle SCR sessions' private K/V (those belong to conversations, not to requests)."""
+    engine = server.state.engine
+    deadline = time.monotonic() + timeout_s
+    while engine_call(server, lambda: engine.num_running() + engine.num_waiting()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_call(server, lambda: engine.num_running() + engine.num_waiting()) == 0
+    engine_call(server, engine.check_integrity)
+    assert engine_call(server, lambda: engine.slots_in_use() - engine.reuse.private_slots()) == 0
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -148,10 +148,12 @@ def test_log_lines(server, client):
 
 def test_sglang_endpoints(server):
     info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()
-    assert info["model_path"] == str(server.model_dir) and info["is_generation"] is True
+    # the served name, not the filesystem path (the operator exposes it with --expose-model-path)
+    assert info["model_path"] == server.state.engine.name and info["is_generation"] is True
+    assert str(server.model_dir) not in json.dumps(info)
     assert httpx.get(f"{server.url}/server_info", timeout=10).json() == info
     model_info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
-    assert model_info["is_generation"] is True and model_info["model_path"] == str(server.model_dir)
+    assert model_info["is_generation"] is True and model_info["model_path"] == server.state.engine.name
     assert httpx.get(f"{server.url}/model_info", timeout=10).status_code == 200
     out = httpx.post(f"{server.url}/generate", timeout=30, json={
         "text": "Once upon", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()

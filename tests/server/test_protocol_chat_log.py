@@ -20,7 +20,7 @@ def test_chat_request_max_completion_tokens_wins():
 
 
 @pytest.mark.parametrize("fields", [
-    {"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 3},
+    {"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 17},
     {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5.5},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -30,9 +30,11 @@ def test_chat_request_rejects(fields):
         ChatCompletionRequest(**fields)
 
 
-def test_chat_request_ignores_unknown_harmless_fields():
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], user="someone", metadata={"a": 1})
+def test_chat_request_accepts_harmless_fields_and_refuses_unknown_ones():
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], user="someone", metadata={"a": "1"})
     assert body.n == 1
+    with pytest.raises(ValidationError, match="unknown_thing"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], unknown_thing=1)
 
 
 def test_completion_single_prompt_forms():

@@ -30,7 +30,7 @@ FILLER = "Tool results are long; notes are short. The quick brown fox jumps over
 class Replica:
     """An in-process kvsplice server with its request log sink."""
 
-    def __init__(self, model_dir: Path, name: str):
+    def __init__(self, model_dir: Path, name: str, **settings_kwargs):
         from kvsplice.config import EngineConfig
         from kvsplice.server.api import ServerSettings
         from kvsplice.server.launch import ServerThread, build_app
@@ -38,7 +38,7 @@ class Replica:
 
         self.name, self.sink = name, LineSink()
         config = EngineConfig(model=str(model_dir), num_slots=16384, max_batch_tokens=1024)
-        self.app = build_app(config, ServerSettings(model_path=str(model_dir), replica_name=name),
+        self.app = build_app(config, ServerSettings(model_path=str(model_dir), replica_name=name, **settings_kwargs),
                              RequestLog(self.sink))
         install_router_routes(self.app)
         self.thread = ServerThread(self.app)
@@ -255,3 +255,38 @@ def test_router_forwards_only_the_routing_key_header_and_drops_chat_session_id(f
     record = next(record for record in records if record["rid"] == rid)
     # The body's session_id never arrives; the header's does once api.py reads it (request_session_id).
     assert record["session_id"] in (None, session_hash("key-1")), record["session_id"]
+
+
+def test_api_keys_keep_tenants_apart_behind_the_router(tiny_model_dir, tmp_path):
+    """sglang-router forwards the client's Authorization header on inference routes, so a replica with
+    API keys derives each request's owner from it and tenants keep their namespaces behind the router
+    (while a chat body's cache_salt is dropped there: docs/SECURITY.md)."""
+    from kvsplice.server.auth import ApiKeys
+
+    keys = ("sk-router-tenant-a-0123456789", "sk-router-tenant-b-9876543210")
+    replica = Replica(tiny_model_dir, "r0", api_keys=ApiKeys(keys))
+    router = None
+    try:
+        # The replica refuses the router's keyless /server_info; the router registers it all the same.
+        router = start_router([replica.url], RouterOptions(policy="round_robin"), log_path=tmp_path / "router.log")
+        model = _model([replica])
+
+        def prefix_tokens(key: str, **extra_body) -> int:
+            from openai import OpenAI
+
+            client = OpenAI(base_url=f"{router.url}/v1", api_key=key, max_retries=0, timeout=60)
+            response = client.chat.completions.create(model=model, messages=_turn_messages(7, 0), max_tokens=2,
+                                                      temperature=0, extra_body=extra_body)
+            return response.usage.model_extra["reuse"]["prefix_tokens"]
+
+        assert prefix_tokens(keys[0]) == 0
+        assert prefix_tokens(keys[1]) == 0  # the other tenant: A's prefix is out of its reach
+        assert prefix_tokens(keys[0]) > 0  # A itself reuses it
+        assert prefix_tokens(keys[0], cache_salt="another-salt") > 0  # the router dropped the salt
+        refused = httpx.post(f"{router.url}/v1/chat/completions", timeout=30,
+                             json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert refused.status_code == 401
+    finally:
+        if router is not None:
+            router.stop()
+        replica.stop()

@@ -1,0 +1,211 @@
+"""FastDecoder: the forward of an attention-only Decoder, flattened for speed. The Decoder
+(`kvsplice.models.decoder`) stays the readable reference; tests compare the two.
+
+On a small model a decode step is mostly per-op overhead, not FLOPs, so this path cuts ops:
+
+  - fused projections: q|k|v in one matmul, gate|up in one (`PackedLinear`, built once);
+  - weights in a packed format for small batches (int8 / int4 kernels, `--weight-format`);
+  - RMSNorm as one layer_norm kernel (`rms_norm_via_layer_norm`), RoPE on q and k together;
+  - decode rows attend over their DecodeArena rows (contiguous K/V, one batched SDPA per layer)
+    instead of gathering their context slots from the pool in every layer;
+  - no per-request Python inside the layer loop except for the non-decode chunks, which take
+    the reference attention (gather + position mask) exactly as the Decoder does.
+
+Per layer, T rows (decode rows first):
+
+    h -> rms_norm -> qkv -> [q | k | v] -> rope(q, k) -> pool[out_slots] <- k, v
+                                            decode rows:  arena[row, pos] <- k, v; SDPA over arena rows
+                                            other rows:   paged_attention_reference (gather)
+      -> o_proj + h -> rms_norm -> gate|up -> silu(gate) * up -> down + h
+
+Eligible models (`FastDecoder.supports`): every layer full attention without a sliding window or
+output gate, full-width RoPE, plain RMSNorm; optional q/k norm (qwen3) and biases. Others use the
+Decoder for every batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.engine.decode_arena import DecodeArena
+from kvsplice.engine.forward_batch import ForwardBatch
+from kvsplice.layers.attention import contiguous_decode_attention, length_mask, paged_attention_reference
+from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
+from kvsplice.layers.quant_linear import PackedLinear
+from kvsplice.models.config import ModelConfig
+from kvsplice.models.decoder import Decoder
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The arena decode rows of one forward: rows 0..count-1 of the batch and of the arena, at
+    `positions`; the longest context `width`, and the length mask (None when all are `width`)."""
+
+    count: int
+    rows: torch.Tensor
+    positions: torch.Tensor
+    width: int
+    mask: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FastLayer:
+    """One decoder layer's weights as the fast path uses them (norm weights doubled, see
+    `rms_norm_via_layer_norm`)."""
+
+    input_norm: torch.Tensor
+    qkv: PackedLinear
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    o_proj: PackedLinear
+    post_norm: torch.Tensor
+    gate_up: PackedLinear
+    down: PackedLinear
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and the signed sin `[T, 1, D]` such that rope(x) = x cos + roll(x, D/2) sin_signed:
+    rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1 .. -1, 1 .. 1] (RoFormer, half-split layout)."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos[:, None, :], signed[:, None, :]
+
+
+def fast_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` for a full-width rotary: x `[T, H, D]`, tables from `_rope_tables`; math in
+    fp32, returns x.dtype."""
+    x32 = x if x.dtype is torch.float32 else x.to(torch.float32)
+    rotated = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+    return rotated if x.dtype is torch.float32 else rotated.to(x.dtype)
+
+
+@torch.no_grad()
+def _fuse(linears: list[nn.Linear], fmt: str) -> PackedLinear:
+    """One PackedLinear for `linears` side by side. Side effect: each module's weight (and bias)
+    becomes a view of the PackedLinear's dense copy, so the reference path keeps computing with
+    exactly the same numbers and the model's weights are held once, not twice."""
+    packed = PackedLinear.build([m.weight for m in linears], [m.bias for m in linears], fmt)
+    start = 0
+    for module in linears:
+        end = start + module.out_features
+        module.weight = nn.Parameter(packed.weight[start:end], requires_grad=False)
+        if module.bias is not None:
+            module.bias = nn.Parameter(packed.bias[start:end], requires_grad=False)
+        start = end
+    return packed
+
+
+class FastDecoder:
+    """Runs ForwardBatches on `model`'s weights, fused and packed in `weight_format` (the model's
+    own weights must already be rounded to that format, see `kvsplice.models.quantize`).
+    Construction re-points `model`'s projection weights to views of the fused copies (`_fuse`)."""
+
+    def __init__(self, model: Decoder, weight_format: str = "dense", lm_head_format: str | None = None):
+        cfg = model.cfg
+        if not self.supports(cfg):
+            raise ValueError(f"{cfg.model_type}: the fast path needs an attention-only model without "
+                             "sliding windows, output gates or partial rotary")
+        self.cfg, self.rotary = cfg, model.rotary
+        self.embed = model.model.embed_tokens.weight.detach()
+        self.layers = [self._fast_layer(layer, weight_format) for layer in model.model.layers]
+        self.final_norm = doubled_weight(model.model.norm.weight)
+        head_format = lm_head_format or weight_format
+        # a dense (possibly tied) lm_head is used as it is; a packed one has its own dense copy
+        self.lm_head = (PackedLinear.build([model.lm_head.weight], [None], "dense") if head_format == "dense"
+                        else _fuse([model.lm_head], head_format))
+        self.eps = cfg.rms_norm_eps
+        self.q_width, self.kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    @staticmethod
+    def supports(cfg: ModelConfig) -> bool:
+        """True when every layer is plain full attention that this path implements."""
+        return (not cfg.is_hybrid and not cfg.attn_output_gate and not cfg.norm_zero_centered
+                and cfg.rope.rotary_dim == cfg.head_dim
+                and all(cfg.layer_window(i) is None for i in range(cfg.num_layers)))
+
+    @staticmethod
+    def _fast_layer(layer, fmt: str) -> FastLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return FastLayer(
+            input_norm=doubled_weight(layer.input_layernorm.weight),
+            qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], fmt),
+            q_norm=doubled_weight(attn.q_norm.weight) if attn.qk_norm else None,
+            k_norm=doubled_weight(attn.k_norm.weight) if attn.qk_norm else None,
+            o_proj=_fuse([attn.o_proj], fmt),
+            post_norm=doubled_weight(layer.post_attention_layernorm.weight),
+            gate_up=_fuse([mlp.gate_proj, mlp.up_proj], fmt),
+            down=_fuse([mlp.down_proj], fmt))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None) -> torch.Tensor:
+        """Same contract as `Decoder.forward` (fp32 logits of `batch.logit_rows`; writes every
+        token's K/V into `pool`), plus: the `batch.arena_rows` leading decode rows attend over
+        `arena` rows 0..arena_rows-1 and their K/V is also written there."""
+        if pool.k.dtype != self.embed.dtype:
+            raise ValueError(f"the pool holds {pool.k.dtype}, the model computes in {self.embed.dtype}")
+        hidden = F.embedding(batch.input_ids, self.embed)
+        cos, sin_signed = _rope_tables(*self.rotary.cos_sin(batch.positions))
+        decode = self._decode_step(batch, arena)
+        for layer_id, layer in enumerate(self.layers):
+            hidden = self._layer(layer_id, layer, hidden, cos, sin_signed, batch, pool, arena, decode)
+        hidden = rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
+        return self.lm_head(hidden).float()
+
+    @staticmethod
+    def _decode_step(batch: ForwardBatch, arena: Optional[DecodeArena]) -> Optional[DecodeStep]:
+        """What every layer needs to know of the arena decode rows, or None without any."""
+        count = batch.arena_rows
+        if count == 0:
+            return None
+        if arena is None or len(arena.lengths) < count:
+            raise ValueError("a batch with arena rows needs the DecodeArena that holds them")
+        lengths = arena.lengths[:count]
+        width = max(lengths)
+        mask = None if min(lengths) == width else length_mask(torch.tensor(lengths), width)
+        return DecodeStep(count, torch.arange(count), batch.positions[:count], width, mask)
+
+    def _layer(self, layer_id: int, layer: FastLayer, hidden: torch.Tensor, cos, sin_signed,
+               batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena],
+               decode: Optional[DecodeStep]) -> torch.Tensor:
+        cfg, rows = self.cfg, hidden.shape[0]
+        qkv = layer.qkv(rms_norm_via_layer_norm(hidden, layer.input_norm, self.eps))
+        q_end, k_end = self.q_width, self.q_width + self.kv_width
+        v = qkv[:, k_end:].view(rows, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is None:   # q and k side by side: one rotation for both
+            qk = fast_rope(qkv[:, :k_end].view(rows, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                           cos, sin_signed)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        else:
+            q = rms_norm_via_layer_norm(qkv[:, :q_end].view(rows, cfg.num_heads, cfg.head_dim), layer.q_norm, self.eps)
+            k = rms_norm_via_layer_norm(qkv[:, q_end:k_end].view(rows, cfg.num_kv_heads, cfg.head_dim),
+                                        layer.k_norm, self.eps)
+            q, k = fast_rope(q, cos, sin_signed), fast_rope(k, cos, sin_signed)
+        pool.k[layer_id].index_copy_(0, batch.out_slots, k)
+        pool.v[layer_id].index_copy_(0, batch.out_slots, v)
+        attended = self._attention(layer_id, q, k, v, batch, pool, arena, decode)
+        hidden = hidden + layer.o_proj(attended.reshape(rows, self.q_width))
+        gate_up = layer.gate_up(rms_norm_via_layer_norm(hidden, layer.post_norm, self.eps))
+        width = gate_up.shape[1] // 2
+        return hidden + layer.down(F.silu(gate_up[:, :width]) * gate_up[:, width:])
+
+    def _attention(self, layer_id: int, q, k, v, batch: ForwardBatch, pool: KVPool,
+                   arena: Optional[DecodeArena], decode: Optional[DecodeStep]) -> torch.Tensor:
+        """Arena attention for the decode rows, the reference path for the rest."""
+        if decode is None:
+            return paged_attention_reference(q, layer_id, batch, pool, self.scale)
+        count = decode.count
+        arena.write(layer_id, k[:count], v[:count], decode.rows, decode.positions)
+        k_rows, v_rows = arena.step_view(layer_id, count, decode.width)
+        decoded = contiguous_decode_attention(q[:count], k_rows, v_rows, decode.mask, self.scale)
+        if not batch.seqs:
+            return decoded
+        out = paged_attention_reference(q, layer_id, batch, pool, self.scale)
+        out[:count] = decoded
+        return out

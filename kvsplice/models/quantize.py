@@ -1,0 +1,78 @@
+"""Weight formats for a whole model: pick one (`resolve_weight_format`) and round a Decoder's
+linear weights to it (`apply_weight_format`), so that the reference path (the Decoder) and the
+fast path (FastDecoder, which multiplies with the packed integers) compute the same model.
+
+    --weight-format  projections (q k v o gate up down)   lm_head
+    dense            model dtype                          model dtype
+    int8             int8 per output channel              int8
+    int4             int4, groups of 32                   int8 (as GGUF Q4 files keep their
+                                                          output / embedding tensor at 6-8 bits)
+    auto             int4 where the checkpoint already    model dtype
+                     is int4 data (a GGUF Q4_0 / Q4_1),
+                     with bf16 activations; else dense
+
+`auto` never loses more than the bf16 rounding of the int4 scales (the packed kernels take bf16
+activations, so with an fp32 model it stays dense and exact). Models the fast path does not run
+(hybrids, sliding windows) get their weights rounded all the same, but compute with the dense copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvsplice.config import WEIGHT_FORMAT_CHOICES
+from kvsplice.layers.quant_linear import check_format, is_lossless, round_to_format, supports
+from kvsplice.models.decoder import Decoder
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """The format of the projections and of the lm_head."""
+
+    projections: str
+    lm_head: str
+
+    def describe(self) -> str:
+        return self.projections if self.projections == self.lm_head else f"{self.projections}+lm_head:{self.lm_head}"
+
+
+def projection_linears(model: Decoder) -> list[nn.Linear]:
+    """Every q/k/v/o and gate/up/down projection of `model`'s attention and MLP blocks."""
+    return [module for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS]
+
+
+def resolve_weight_format(name: str, model: Decoder) -> WeightFormat:
+    """The WeightFormat `name` stands for on `model` (see the module table); ValueError if unknown."""
+    if name not in WEIGHT_FORMAT_CHOICES:
+        raise ValueError(f"unknown weight format {name!r}; expected one of {WEIGHT_FORMAT_CHOICES}")
+    if name == "int4":
+        return WeightFormat("int4", "int8")
+    if name != "auto":
+        return WeightFormat(check_format(name), name)
+    dtype = model.lm_head.weight.dtype
+    linears = projection_linears(model)
+    if dtype == torch.bfloat16 and linears and all(is_lossless(m.weight, "int4") for m in linears):
+        return WeightFormat("int4", "dense")
+    return WeightFormat("dense", "dense")
+
+
+@torch.no_grad()
+def apply_weight_format(model: Decoder, fmt: WeightFormat) -> None:
+    """Round `model`'s projection and lm_head weights to `fmt` in place (in their dtype).
+
+    Side effects: a tied lm_head that is rounded gets a Parameter of its own (the embedding
+    keeps its weights); a weight the format cannot hold (int4 needs inputs divisible by 32)
+    stays as it is, and the fast path keeps it dense as well.
+    """
+    for linear in projection_linears(model):
+        if supports(fmt.projections, linear.weight):
+            linear.weight.copy_(round_to_format(linear.weight, fmt.projections))
+    if fmt.lm_head != "dense" and supports(fmt.lm_head, model.lm_head.weight):
+        rounded = round_to_format(model.lm_head.weight, fmt.lm_head)
+        model.lm_head.weight = nn.Parameter(rounded, requires_grad=False)

@@ -1,0 +1,138 @@
+"""API keys: who may use the server, and which tenant (cache owner) each request belongs to.
+
+    request ─> path open (health probes, /metrics, /get_load, the OpenAPI document)?  pass, owner None
+           ─> no keys configured?                                                      pass, owner None
+           ─> Authorization: Bearer <key>, key one of the configured ones?            pass, owner = owner_id(key)
+           ─> else                                                                     401, OpenAI body
+
+As in vLLM (`--api-key`, VLLM_API_KEY, `Authorization: Bearer`), with two differences: every route that
+serves the model or changes its state needs the key, not only /v1/* (kvsplice also serves /generate,
+/flush_cache and /get_server_info), and several keys may be given. Each key is a tenant: its requests
+carry `owner = owner_id(key)` to the engine, whose cache namespace is (owner, cache_salt), so two keys
+never share a prefix, a session or relocated K/V. The presented key's SHA-256 is compared in constant
+time (hmac.compare_digest) with every configured key's, so the time taken says nothing about which key
+nearly matched, nor about the keys' lengths.
+
+`owner_id` is a stable, non-secret name of a key (a prefix of its SHA-256), safe to keep in memory and
+logs; it is not a way back to the key as long as keys are long random strings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvsplice.server.errors import ApiError, error_body
+
+API_KEY_ENV = "KVSPLICE_API_KEY"
+# Routes anyone may call: liveness / readiness probes (load balancers and sglang-router send no key
+# to them), Prometheus metrics and the router's load poll (aggregate numbers, open as in vLLM), and the
+# API's own description.
+OPEN_PATHS = frozenset({"/health", "/readiness", "/health_generate", "/metrics", "/get_load",
+                        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OWNER_STATE_KEY = "kvsplice_owner"
+OWNER_ID_HEX_CHARS = 16
+
+
+def owner_id(key: str) -> str:
+    """The tenant id of an API key: the first 16 hex characters of its SHA-256."""
+    return _digest(key).hex()[:OWNER_ID_HEX_CHARS]
+
+
+def _digest(key: str) -> bytes:
+    """SHA-256 of the key's UTF-8 bytes (surrogates, which os.environ uses for undecodable bytes, pass)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def parse_key_list(raw: str) -> tuple[str, ...]:
+    """Keys from a comma-separated string (the KVSPLICE_API_KEY format); blanks around keys are dropped."""
+    return tuple(key.strip() for key in raw.split(",") if key.strip())
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """The configured keys (none: authentication is off). The repr never shows a key."""
+
+    keys: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        for key in self.keys:
+            if not key or key != key.strip() or "," in key:
+                raise ValueError("an API key must be non-empty, without surrounding blanks or commas")
+
+    @classmethod
+    def from_sources(cls, flag_keys: Optional[Iterable[str]], environ: Mapping[str, str]) -> "ApiKeys":
+        """Keys from `--api-key` flags when any are given, else from KVSPLICE_API_KEY (comma-separated)."""
+        flags = tuple(flag_keys or ())
+        return cls(flags if flags else parse_key_list(environ.get(API_KEY_ENV, "")))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def owner_of(self, authorization: Optional[str]) -> Optional[str]:
+        """owner_id of the key in an `Authorization: Bearer <key>` header value, or None when it names
+        no configured key. Every configured key is compared, in constant time."""
+        if not authorization:
+            return None
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        presented_digest = _digest(presented.strip())
+        match = None
+        for key in self.keys:
+            if hmac.compare_digest(presented_digest, _digest(key)):
+                match = key
+        return owner_id(match) if match is not None else None
+
+
+def request_owner(request: Request) -> Optional[str]:
+    """The tenant the authentication middleware found for `request` (None without keys)."""
+    return request.scope.get("state", {}).get(OWNER_STATE_KEY)
+
+
+class AuthMiddleware:
+    """ASGI middleware: refuses (401) HTTP requests to routes outside OPEN_PATHS that lack a configured
+    key, before their body is read; records the key's owner in the request state for the handlers.
+    `on_refuse(status)` is called for each refusal (metrics)."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, on_refuse=lambda status: None):
+        self.app, self.keys, self.on_refuse = app, keys, on_refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys.enabled or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        owner = self.keys.owner_of(request.headers.get("authorization"))
+        if owner is None:
+            self.on_refuse(401)
+            response = _unauthorized("authorization" in request.headers)
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})[OWNER_STATE_KEY] = owner
+        await self.app(scope, receive, send)
+
+
+def _unauthorized(had_header: bool) -> JSONResponse:
+    what = "wrong API key" if had_header else "missing API key"
+    body: dict[str, Any] = error_body(f"{what}: send `Authorization: Bearer <key>` with a key this server accepts",
+                                      "authentication_error", code="invalid_api_key")
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def refuse_browser_request(request: Request) -> None:
+    """ApiError 403 for a request that carries an Origin header (browsers add one to every
+    cross-origin POST). Admin routes call it: without an API key, a web page the operator opens could
+    otherwise POST /flush_cache with a plain form or fetch, which needs no CORS preflight.
+    sglang-router, curl and SDKs send no Origin."""
+    if "origin" in request.headers:
+        raise ApiError(403, "admin routes do not accept requests from a web page (Origin header present)",
+                       error_type="permission_error", code="browser_request")
