@@ -1,12 +1,14 @@
 """What a chat request's `tools`, `tool_choice` and `parallel_tool_calls` ask for: ToolPlan.
 
     tool_choice   tools in the prompt   replies parsed for calls   decoding
-    none          no                    no                         free
+    none          yes                   no                         free
     auto          yes                   yes                        free (the model may answer in text)
     required      yes                   yes                        grammar: one or more calls of the tools
     {function}    yes                   yes                        grammar: one call of that function
 
-`tool_choice` defaults to "auto" with tools and "none" without (OpenAI). A forced call's grammar
+`tool_choice` defaults to "auto" with tools and "none" without (OpenAI). With "none" the tools stay
+in the prompt (as vLLM does by default): an agent's last, tool-free turn then keeps the prompt prefix
+of its earlier turns, so its K/V come from the cache. A forced call's grammar
 is written in the tool parser's syntax (kvsplice.structured: the arguments match each function's
 JSON schema), so the reply always parses as calls. `parallel_tool_calls: false` allows one call.
 """
@@ -55,8 +57,10 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser, vocab: Optional[
     tools that are not there. `vocab` / `special_tokens`: the tokenizer's (for the parser's syntax)."""
     tools = body.tools or []
     choice = body.tool_choice or ("auto" if tools else "none")
-    if choice == "none" or not tools and choice == "auto":
+    if not tools and choice in ("none", "auto"):
         return NO_TOOLS
+    if choice == "none":
+        return ToolPlan(_template_tools(tools), False, None, None, False)
     if not tools:
         raise ToolRequestError(f"tool_choice {_describe(choice)} needs tools", "tool_choice")
     functions = [(tool.function.name, tool.function.parameters or ANY_OBJECT) for tool in tools]
@@ -71,9 +75,12 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser, vocab: Optional[
     if choice != "auto":
         forced = StructuredSpec.tool_calls(parser.syntax(vocab), functions,
                                            parallel=parallel and not isinstance(choice, NamedToolChoice))
-    template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
     keep_special = any(marker in special_tokens for marker in parser.markers)
-    return ToolPlan(template_tools, True, forced, None if parallel else 1, keep_special)
+    return ToolPlan(_template_tools(tools), True, forced, None if parallel else 1, keep_special)
+
+
+def _template_tools(tools) -> list[dict[str, Any]]:
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 def _describe(choice: Any) -> str:

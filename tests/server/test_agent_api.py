@@ -82,11 +82,11 @@ def test_named_tool_choice_calls_that_function_once(client):
         validate_calls(calls, {"search": SEARCH})
 
 
-def test_tool_choice_none_offers_no_tools_and_parses_nothing(server):
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_parses_nothing(server):
     offered = post(server, {"tools": TOOLS, "tool_choice": "auto", "temperature": 0}).json()
     hidden = post(server, {"tools": TOOLS, "tool_choice": "none", "temperature": 0}).json()
     plain = post(server, {"temperature": 0}).json()
-    assert hidden["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] < offered["usage"]["prompt_tokens"]
+    assert hidden["usage"]["prompt_tokens"] == offered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert "tool_calls" not in hidden["choices"][0]["message"]
 
 
