@@ -59,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "about this many times a decode-only step (default 2.5)")
     group.add_argument("--min-prefill-tokens", type=int, default=None,
                        help="prefill tokens every step carries at least, so prefill always progresses (default 16)")
+    group.add_argument("--decode-threads", type=_decode_threads, default="auto",
+                       help="intra-op threads of decode-only steps: N, or auto (default: one fewer than the "
+                            "other steps get, at least 1, so tokens stream out while the next step runs)")
     group.add_argument("--device", default="cpu", help="torch device (default cpu)")
     group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward")
@@ -88,11 +91,30 @@ def reuse_config_from_args(args: argparse.Namespace, environ: Mapping[str, str])
     return config.replace(**overrides) if overrides else config
 
 
+def _decode_threads(raw: str) -> int | str:
+    if raw == "auto":
+        return raw
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer in [1, 1024], got {raw!r}")
+    return value
+
+
 def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]):
     """EngineConfig from parsed engine flags (unset flags keep EngineConfig's defaults). ValueError if bad."""
-    from kvsplice.config import EngineConfig
+    import torch
 
+    from kvsplice.config import EngineConfig
+    from kvsplice.engine.thread_policy import auto_decode_threads
+
+    decode_threads = args.decode_threads
+    if decode_threads == "auto":
+        decode_threads = auto_decode_threads(torch.get_num_threads())
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
+                              "decode_threads": decode_threads,
                               "prefix_cache": not args.no_prefix_cache, "fast_path": not args.no_fast_path,
                               "reuse": reuse_config_from_args(args, environ)}
     for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots",

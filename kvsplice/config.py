@@ -38,6 +38,9 @@ class EngineConfig:
         takes about this many times a decode-only step (`kvsplice.engine.step_budget`).
     min_prefill_tokens: prefill tokens every step carries at least (when there are any, and at
         most max_batch_tokens), so prefill always progresses.
+    decode_threads: intra-op threads of decode-only steps (`kvsplice.engine.thread_policy`);
+        None: the same as every other step (torch's thread count). `kvsplice serve` gives one
+        fewer, so the HTTP side has a core while tokens stream.
     """
 
     model: str | None = None
@@ -55,6 +58,7 @@ class EngineConfig:
     decode_arena_tokens: int = 32_768
     step_budget_ratio: float = 2.5
     min_prefill_tokens: int = 16
+    decode_threads: int | None = None
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
 
     def __post_init__(self) -> None:
@@ -71,5 +75,7 @@ class EngineConfig:
             raise ValueError(f"decode_arena_tokens must be in [0, 2^30], got {self.decode_arena_tokens}")
         if not 1.0 <= self.step_budget_ratio <= 100.0:
             raise ValueError(f"step_budget_ratio must be in [1, 100], got {self.step_budget_ratio}")
+        if self.decode_threads is not None and not 1 <= self.decode_threads <= 1024:
+            raise ValueError(f"decode_threads must be in [1, 1024], got {self.decode_threads}")
         if not 1 <= self.min_prefill_tokens <= 1 << 20:
             raise ValueError(f"min_prefill_tokens must be in [1, 2^20], got {self.min_prefill_tokens}")

@@ -36,7 +36,8 @@ def test_serve_help_exits_zero(capsys):
     ["serve", "--scr-tail", "0"], ["serve", "--num-slots", "0"], ["serve", "--model", "/does/not/exist"],
     ["serve", "--port", "70000"], ["generate"], ["report", "/does/not/exist.jsonl"],
     ["serve", "--tool-call-parser", "pythonic"], ["serve", "--chat-template", "/no/such/template.jinja"],
-    ["serve", "--chat-template", "{% for m in messages %}"],
+    ["serve", "--chat-template", "{% for m in messages %}"], ["serve", "--decode-threads", "0"],
+    ["serve", "--decode-threads", "some"],
 ])
 def test_bad_input_exits_2_with_a_message(argv, capsys):
     assert main(argv) == 2

@@ -19,6 +19,7 @@ from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq, Segment, SeqS
 from kvsplice.engine.request import Req
 from kvsplice.engine.scheduler import Chunk
 from kvsplice.engine.step_budget import StepBudget
+from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.layers.logits_processors import accept_tokens, process_logits
 from kvsplice.layers.sampler import TokenLogprob, logprobs_of, sample
 from kvsplice.models.decoder import Decoder
@@ -60,6 +61,7 @@ class ModelRunner:
         self.fast: FastDecoder | None = None
         self.arena: DecodeArena | None = None
         self.weight_format = WeightFormat("dense", "dense")
+        self.threads = ThreadPolicy.from_config(config.decode_threads)
         if isinstance(model, Decoder):
             self.weight_format = resolve_weight_format(config.weight_format, model)
             apply_weight_format(model, self.weight_format)
@@ -138,6 +140,8 @@ class ModelRunner:
             batch, rows_per_chunk = self.build_batch(chunks)
             if self.failpoints is not None:
                 self.failpoints.check("forward", [c.req.rid for c in chunks])
+            decode_rows = sum(1 for c in chunks if c.req.is_decoding and len(c.offsets) == 1)
+            self.threads.apply(decode_only=decode_rows == batch.num_tokens)
             logits = self._forward(batch)
         except BaseException:
             if self.arena is not None:
@@ -145,7 +149,6 @@ class ModelRunner:
             raise
         results = self._results(chunks, logits, rows_per_chunk)
         if self.budget is not None:
-            decode_rows = sum(1 for c in chunks if c.req.is_decoding and len(c.offsets) == 1)
             self.budget.observe(time.perf_counter() - started, decode_rows, batch.num_tokens - decode_rows)
         return results
 
