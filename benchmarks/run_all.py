@@ -53,6 +53,11 @@ BENCHMARKS = (
               "status, 5xx (must be 0), RSS and its growth per 1,000 requests, slots in use when idle (SCR "
               "sessions' private K/V) and after /flush_cache (must be 0). The full run is `--duration 900` (the "
               "default)."),
+    Benchmark("model_cache_check", "Model cache: what the manifest check costs at start", "reliability",
+              "python benchmarks/model_cache_check.py",
+              "The converted default model's manifest check as `kvsplice serve` runs it at every start (sizes and "
+              "modification stamps; the sha256 of every file only when a stamp changed), against hashing every "
+              "file in full and against loading the model, in one process."),
     Benchmark("scr_plan_speed", "SCR planning cost: match + diff + plan", "SCR",
               "python benchmarks/scr_plan_speed.py",
               "The pure-Python SCR front half (session match over 16 sessions sharing a system prompt, token diff, "
@@ -150,6 +155,10 @@ BENCHMARKS = (
               "against --cache-reuse 16) and the wall time of whole agent turns (synthetic trace: tool calls, "
               "edits, 100-400 output tokens). Goals: decode x1 >= 1.0x, x8 >= 1.5x, loaded ITL p99 <= 3x the "
               "1-stream ITL, agent turn <= 0.5x llama-server's, cold prefill >= 3x, edited TTFT >= 5x."),
+    Benchmark("decode_threads", "Decode threads in the server", "fast decode",
+              "python benchmarks/decode_threads.py",
+              "`kvsplice serve` on the default model's GGUF with each --decode-threads value, alternating, twice: "
+              "the median gap between streamed tokens of one request and the aggregate tokens/s of 8 streams."),
     Benchmark("structured_outputs", "Structured outputs: the grammar mask's cost per decode step", "agent API",
               "python benchmarks/structured_outputs.py --mask-only --batch 1 8 --out runs/structured_outputs.json",
               "Grammar-constrained decoding (xgrammar) on the default model's vocabulary: the time per decode step "
