@@ -97,7 +97,7 @@ def langchain_loop(base_url: str, model: str) -> int:
         history += [ai, ToolMessage(run_tool(call["name"], json.dumps(call["args"])), tool_call_id=call["id"])]
     first = next(i for i, m in enumerate(history) if isinstance(m, ToolMessage))
     history[first] = ToolMessage("(file read earlier; dropped to save context)", tool_call_id=history[first].tool_call_id)
-    answer = llm.bind(max_tokens=48).invoke(history)
+    answer = llm.bind_tools(TOOLS, tool_choice="none", max_tokens=48).invoke(history)
     usage = answer.response_metadata["token_usage"]
     print(reuse_line("langchain edited turn: answer", usage))
     print(f"    answer: {answer.content!r}")
