@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvsplice.bench.replay import request_body
 from kvsplice.bench.scale_out import start_replica
@@ -72,7 +73,8 @@ def _bad_requests() -> list[tuple[str, str, str, Any]]:
         ("GET", "/flush_cache", "key", None),
         ("GET", "/get_server_info", "none", None),
         ("POST", "/no/such/route", "key", {}),
-        ("POST", CHAT, "key", {"messages": HI, "n": 3}),
+        ("POST", CHAT, "key", {"messages": HI, "n": 17}),
+        ("POST", CHAT, "key", {"messages": HI, "tool_choice": "required"}),
     ]
 
 
@@ -189,12 +191,12 @@ def rss_mb(pid: int) -> float:
 
 
 def gauges(url: str) -> dict[str, float]:
-    """Unlabelled gauges and counters from GET /metrics."""
+    """Gauges and counters from GET /metrics that carry no label but the model's name."""
     values = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.split()[:2]
-            values[name] = float(value)
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if set(sample.labels) <= {"model_name"}:
+                values[sample.name] = sample.value
     return values
 
 
@@ -211,7 +213,7 @@ def idle_report(url: str, timeout_s: float = 60.0) -> dict[str, Any]:
         time.sleep(0.2)
     flushed = httpx.post(f"{url}/flush_cache", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60)
     after = gauges(url)
-    return {"idle": True, "slots_total": int(now["kvsplice_kv_slots_total"]),
+    return {"idle": True, "slots_total": int(now["kvsplice_kv_slots_capacity"]),
             "slots_in_use_idle": int(now["kvsplice_kv_slots_in_use"]),
             "flush_status": flushed.status_code,
             "slots_in_use_after_flush": int(after["kvsplice_kv_slots_in_use"]),
