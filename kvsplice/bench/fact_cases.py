@@ -217,20 +217,46 @@ def _mean(rows, key: str) -> str:
     return f"{sum(getattr(r, key) for r in rows) / len(rows):.3f}" if rows else "-"
 
 
+def fact_settings(default, seams: Sequence[int] = ()) -> list:
+    """The settings of the fact task: SCR without selective recompute (K=6, tail=16), the server
+    default `default` (a ReuseConfig), and K=6, tail=16 with each seam length of `seams`."""
+    from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Setting
+
+    return ([Setting(f"K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL),
+             Setting(f"default (seams {default.seam_tokens}, {default.recompute_policy} {default.recompute:g})",
+                     default.max_spans, default.tail, recompute=default.recompute, policy=default.recompute_policy,
+                     score_layers=default.score_layers, seam_tokens=default.seam_tokens)]
+            + [Setting(f"seams {n}", BASE_K, BASE_TAIL, seam_tokens=n) for n in seams])
+
+
+def select_facts(facts: Sequence[FactCase], names: Optional[Sequence[str]]) -> list[FactCase]:
+    """`facts` limited to the question names `names` (e.g. "delete_result-0"; None: all); a
+    ValueError names unknown ones."""
+    if not names:
+        return list(facts)
+    unknown = sorted(set(names) - {fact.case.name for fact in facts})
+    if unknown:
+        raise ValueError(f"unknown question(s) {unknown}; known: {[fact.case.name for fact in facts]}")
+    return [fact for fact in facts if fact.case.name in names]
+
+
 def facts_main(args) -> int:
-    """`kvsplice fidelity --task facts`: SCR without selective recompute (K=6, tail=16) and with
-    the server default's, against exact recompute, on `--max-cases` questions (default: 4 of each
-    kind). Writes facts.json and facts.md to --out; returns 0."""
-    from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Harness, Setting
+    """`kvsplice fidelity --task facts`: SCR without selective recompute (K=6, tail=16), with the
+    server default's and with every `--fact-seams` length, against exact recompute, on `--max-cases`
+    questions (default: 4 of each kind), or the `--case` ones. Writes facts.json and facts.md to
+    --out; returns 0, or 2 for an unknown question name (message on stderr)."""
+    import sys
+
+    from kvsplice.bench.fidelity import Harness
     from kvsplice.reuse.config import ReuseConfig
 
-    default = ReuseConfig()
     per_kind = max(1, -(-args.max_cases // len(KINDS))) if args.max_cases else 4
-    facts = fact_cases(per_kind=per_kind)[: args.max_cases or None]
-    settings = [Setting(f"K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL),
-                Setting(f"default (seams {default.seam_tokens}, {default.recompute_policy} {default.recompute:g})",
-                        default.max_spans, default.tail, recompute=default.recompute, policy=default.recompute_policy,
-                        score_layers=default.score_layers, seam_tokens=default.seam_tokens)]
+    try:
+        facts = select_facts(fact_cases(per_kind=per_kind)[: args.max_cases or None], args.case)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = fact_settings(ReuseConfig(), args.fact_seams)
     harness = Harness(args.model, gen_tokens=1)
     started = time.perf_counter()
     results = run_facts(harness, settings, facts)

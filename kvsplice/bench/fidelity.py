@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload-seed", type=int, default=None,
                         help="use fresh cases from the workload generator with this seed instead")
     parser.add_argument("--workload-conversations", type=int, default=8, help="conversations to draw cases from")
-    parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated)")
+    parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated; facts task: question names, e.g. delete_result-0)")
     parser.add_argument("--max-cases", type=int, default=None, help="at most this many cases, spread evenly")
     parser.add_argument("--out", default="fidelity_out", help="directory for results.json, results.md, PNGs")
     parser.add_argument("--k", type=_number_list(int), default=None,
@@ -454,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="layers of the scoring pass to sweep (deviation policies)")
     parser.add_argument("--front-tails", type=_number_list(int), default=list(DEFAULT_FRONT_TAILS),
                         help="span tails of the budget sweep (K=6)")
+    parser.add_argument("--fact-seams", type=_number_list(int), default=[],
+                        help="facts task: also run K=6, tail=16 with these seam lengths")
     parser.add_argument("--no-anchor", action="store_true", help="skip the fp8 K/V anchors")
     parser.add_argument("--max-share", type=float, default=0.08,
                         help="most of the prompt the chosen default may compute")
@@ -487,7 +489,7 @@ def _check_args(args) -> Optional[str]:
         return f"unknown policy {bad[0]!r}; expected some of {', '.join(RECOMPUTE_POLICIES)}"
     if any(not 1 <= d <= 8 for d in args.score_layers) or (args.max_cases is not None and args.max_cases < 1):
         return "--score-layers must lie in [1, 8] and --max-cases be >= 1"
-    if any(n > 4096 for n in args.seams):
+    if any(n > 4096 for n in args.seams + args.fact_seams):
         return "every seam length must lie in [0, 4096]"
     return None
 

@@ -180,6 +180,22 @@ def test_fact_task_end_to_end_on_a_tiny_model(tiny_dir):
     assert "| exact | all | 5 |" in table and "| heads | delete_result | 1 |" in table
 
 
+def test_fact_settings_and_question_selection(capsys):
+    """The fact task runs K=6/tail=16, the default and every --fact-seams length; --case picks questions."""
+    from kvsplice.bench.fact_cases import fact_cases, fact_settings, select_facts
+    settings = fact_settings(ReuseConfig(seam_tokens=16), [32, 64])
+    assert [s.label for s in settings] == ["K=6 tail=16", "default (seams 16, heads 0)", "seams 32", "seams 64"]
+    assert [s.seam_tokens for s in settings] == [0, 16, 32, 64] and {s.max_spans for s in settings} == {6}
+    facts = fact_cases(per_kind=2)
+    assert [f.case.name for f in select_facts(facts, ["keep-1", "delete_result-0"])] == ["delete_result-0", "keep-1"]
+    assert select_facts(facts, None) == facts
+    with pytest.raises(ValueError, match="delete_result-9"):
+        select_facts(facts, ["delete_result-9"])
+    assert fidelity_main(["--task", "facts", "--case", "delete_result-9"]) == 2
+    assert "unknown question" in capsys.readouterr().err
+    assert fidelity_main(["--task", "facts", "--fact-seams", "5000"]) == 2
+
+
 def _shorter(case):
     """A fact case cut to fit the tiny model's context: every content at most 60 words."""
     def cut(messages):
