@@ -7,8 +7,9 @@ fixed reply), each format computes the whole prompt (no cache) and 32 greedy tok
 fp32 dense engine: KL(fp32 || format) in nats over the last 32 prompt positions (mean, p90, max;
 `kvsplice.bench.fidelity.kl_per_position`), top-1 agreement there, and the fraction of the 32
 greedy tokens equal before the first divergence. The formats are what `--dtype` / `--weight-format`
-select (`kvsplice.models.quantize`). SCR's own figure for comparison: mean KL 0.00145 at K=6,
-tail=16 (docs/BENCHMARKS.md, SCR fidelity).
+select (`kvsplice.models.quantize`). SCR's own figures for comparison: mean KL 0.00145 at K=6,
+tail=16 without selective recompute, 0.00055 at its defaults (docs/BENCHMARKS.md, SCR fidelity and
+the fidelity front).
 """
 
 from __future__ import annotations
