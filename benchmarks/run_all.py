@@ -58,12 +58,11 @@ BENCHMARKS = (
               "32 concurrent streaming chat clients, 4 turns each, against `kvsplice serve` on the default model: "
               "errors (must be 0), throughput, TTFT p50/p99, and the share of prompt tokens served from cache."),
     Benchmark("soak", "Soak: hostile and ordinary traffic against one server", "reliability",
-              "python benchmarks/soak.py --duration 150 --out runs/soak.json",
+              "python benchmarks/soak.py --out runs/soak.json",
               "One `kvsplice serve` (default model, two API keys) under mixed traffic for a fixed time: agent turns "
               "with edits, streams dropped mid-way, clients that give up, hostile requests. Requests by action and "
               "status, 5xx (must be 0), RSS and its growth per 1,000 requests, slots in use when idle (SCR "
-              "sessions' private K/V) and after /flush_cache (must be 0). The full run is `--duration 900` (the "
-              "default)."),
+              "sessions' private K/V) and after /flush_cache (must be 0); 900 s (the default duration)."),
     Benchmark("model_cache_check", "Model cache: what the manifest check costs at start", "reliability",
               "python benchmarks/model_cache_check.py",
               "The converted default model's manifest check as `kvsplice serve` runs it at every start (sizes and "

@@ -78,3 +78,17 @@ def test_fused_build_splits_back_into_each_projection(torch_seed):
 def test_int4_needs_inputs_divisible_by_32(torch_seed):
     linear = PackedLinear.build([torch.randn(8, 48)], [None], "int4")
     assert linear.fmt == "dense" and linear.packed is None
+
+
+def test_bucketed_linear_matches_linear_for_every_row_count():
+    from kvsplice.layers.quant_linear import ROW_BUCKET, bucketed_linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 32, dtype=torch.bfloat16), torch.randn(40, dtype=torch.bfloat16)
+    for rows in (1, 13, ROW_BUCKET, ROW_BUCKET + 1, 3 * ROW_BUCKET - 5):
+        x = torch.randn(rows, 32, dtype=torch.bfloat16)
+        got = bucketed_linear(x, weight, bias)
+        assert got.shape == (rows, 40) and got.is_contiguous()
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
+    x32 = torch.randn(13, 32)
+    torch.testing.assert_close(bucketed_linear(x32, weight.float(), None), x32 @ weight.float().T)
