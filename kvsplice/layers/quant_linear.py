@@ -127,19 +127,20 @@ def is_lossless(weight: torch.Tensor, fmt: str) -> bool:
 # bf16 / fp16 matmuls on CPU run oneDNN kernels generated for each row count, and their code is
 # kept: measured on 2 Sapphire Rapids cores, 496 distinct row counts of one [1536, 576] bf16 linear
 # grew the process by 511 MiB (about 1 MiB per shape), and a server's prefill chunks take any row
-# count up to --max-batch-tokens. Rounding the rows up to a multiple of ROW_BUCKET (zero rows,
-# sliced off after) bounds the shapes to max_batch_tokens / ROW_BUCKET per weight (41 MiB for the
-# same sweep); the padding costs little, since a matmul that small is bound by its weight reads.
+# count up to --max-batch-tokens. Rounding row counts above ROW_BUCKET up to a multiple of it (zero
+# rows, sliced off after) bounds the shapes to ROW_BUCKET + max_batch_tokens / ROW_BUCKET per weight
+# (41 MiB for the same sweep). Smaller batches (decode steps, logit rows) keep their own row count:
+# padding one decode row of the lm_head to 64 would multiply its work by 64.
 ROW_BUCKET = 64
 _BUCKETED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K], computed on M rounded up to ROW_BUCKET rows when x
-    is bf16 / fp16 (see ROW_BUCKET); the same values, [M, N]."""
+    """F.linear(x, weight, bias) for x [M, K], computed on M rounded up to a multiple of ROW_BUCKET
+    when x is bf16 / fp16 and M > ROW_BUCKET (see ROW_BUCKET); the same values, [M, N]."""
     rows = x.shape[0]
     padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
-    if x.dtype not in _BUCKETED_DTYPES or padded == rows or x.dim() != 2:
+    if x.dtype not in _BUCKETED_DTYPES or rows <= ROW_BUCKET or padded == rows or x.dim() != 2:
         return F.linear(x, weight, bias)
     return F.linear(F.pad(x, (0, 0, 0, padded - rows)), weight, bias)[:rows]
 
