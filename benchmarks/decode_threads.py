@@ -26,7 +26,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.vs_llamacpp import cpu_description, free_port  # noqa: E402
+from benchmarks.vs_llamacpp import free_port  # noqa: E402
+from kvsplice.bench.machine import cpu_line  # noqa: E402
 from kvsplice.models.default_model import find_default_gguf  # noqa: E402
 
 
@@ -90,7 +91,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=200)
     args = parser.parse_args()
     settings = args.threads.split(",")
-    print(f"CPU: {cpu_description()}; load average before: {tuple(round(x, 2) for x in os.getloadavg())}")
+    print(f"CPU: {cpu_line()}; load average before: {tuple(round(x, 2) for x in os.getloadavg())}")
     runs: dict[str, list[dict]] = {s: [] for s in settings}
     for repeat in range(args.repeats):
         for setting in settings:

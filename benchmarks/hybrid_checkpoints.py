@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from kvsplice.bench.machine import cpu_line
 from kvsplice.bench.trace import UNEDITED_KINDS, Conversation
 from kvsplice.bench.workload import generate_traces
 from kvsplice.config import EngineConfig
@@ -209,23 +209,6 @@ def offsets_cost(tokenizer, conversations: list[Conversation], repeats: int) -> 
         lines.append(f"| {len(messages)} | {len(ids)} | {1e3 * base:.1f} | {1e3 * fast:.1f} ms | {fast / base:.1f}x | "
                      f"{1e3 * ref:.1f} ms | {ref / base:.1f}x |")
     return "\n".join(lines)
-
-
-def cpu_line() -> str:
-    """The CPU's model name and the matmul-relevant flags it has (from /proc/cpuinfo when present)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"CPU {name} ({' '.join(shown) or 'no avx2'})"
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,7 @@ import sys
 import time
 import tracemalloc
 
+from kvsplice.bench.machine import cpu_line
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.reuse.diff import diff_tokens
 from kvsplice.reuse.fingerprint import fingerprint
@@ -47,22 +48,6 @@ SYSTEM_TOKENS = 2048
 NAMESPACE = ("bench", None)
 SIZES = (8 * 1024, 128 * 1024)
 PREFILL_TOKENS = 8 * 1024 - 1  # the default model's context is 8,192 tokens; one is left to sample
-
-
-def cpu_line() -> str:
-    """The CPU model and the SIMD flags that matter here, from /proc/cpuinfo when present."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if flag in flags]
-    return f"{model}, {os.cpu_count()} CPU cores, flags: {' '.join(wanted) or 'unknown'}"
 
 
 class Tokens:

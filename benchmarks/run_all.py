@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvsplice.bench.machine import cpu_line
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUTS = ROOT / "docs" / "benchmarks"
@@ -188,22 +189,6 @@ BENCHMARKS = (
               "tool result, on the default model, through the openai client and through LangChain's ChatOpenAI: "
               "where each turn's prompt K/V came from. The edited turn must relocate tokens."),
 )
-
-
-def cpu_line() -> str:
-    """The CPU model and the SIMD flags the fast paths depend on, from /proc/cpuinfo when present."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if flag in flags]
-    return f"{model}, {os.cpu_count()} CPU cores, flags: {' '.join(wanted) or 'unknown'}"
 
 
 def machine_line() -> str:

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any, Optional
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvsplice.bench.machine import cpu_line
 from kvsplice.bench.replay import request_body
 from kvsplice.bench.scale_out import start_replica
 from kvsplice.bench.trace import Conversation
@@ -218,20 +218,6 @@ def idle_report(url: str, timeout_s: float = 60.0) -> dict[str, Any]:
             "flush_status": flushed.status_code,
             "slots_in_use_after_flush": int(after["kvsplice_kv_slots_in_use"]),
             "slots_free_after_flush": int(after["kvsplice_kv_slots_free"])}
-
-
-def cpu_line() -> str:
-    """CPU model and the vector / matrix features that matter for kvsplice."""
-    model, flags = platform.processor() or platform.machine(), set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.machine()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    wanted = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if flag in flags]
-    return f"{model}, {os.cpu_count()} CPU cores, flags: {' '.join(wanted) or 'none of avx2/avx512/amx'}"
 
 
 async def run_traffic(url: str, pid: int, traces: list[Conversation], args) -> tuple[Tally, dict[str, float]]:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 
+from kvsplice.bench.machine import cpu_line
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import LLM, build_engine
 from kvsplice.layers.logits_processors import LogitsState, process_logits
@@ -65,18 +65,6 @@ EXAMPLES = [
 ]
 TOPICS = ["the weather in Paris", "a film you like", "a person you know", "how to bake bread", "Python",
           "the sea", "a mountain trip", "a football match", "a library", "a train journey"]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            lines = info.read().splitlines()
-        name = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
-        flags = next(l.split(":", 1)[1].split() for l in lines if l.startswith("flags"))
-        wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-        return f"{name} ({' '.join(wanted)})"
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def chat_prompt(llm: LLM, index: int) -> list[int]:
@@ -173,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     llm = LLM(engine=build_engine(EngineConfig(model=args.model)))
-    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "model": llm.engine.name,
+    result = {"cpu": cpu_line(), "threads": torch.get_num_threads(), "model": llm.engine.name,
               "decode": [], "mask": []}
     print(f"model {llm.engine.name}, CPU {result['cpu']}, {result['threads']} threads")
     if args.mask_only:

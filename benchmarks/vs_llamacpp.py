@@ -45,6 +45,8 @@ from typing import Optional
 import httpx
 import torch
 
+from kvsplice.bench.machine import cpu_line
+
 ROOT = Path(__file__).resolve().parents[1]
 PEER_CACHE = "~/.cache/kvsplice-peer/*/vendor/llama.cpp/build/bin/llama-server"
 LLAMA_SLOTS, LLAMA_SLOT_CTX = 8, 8192
@@ -302,18 +304,6 @@ def measure(server: Server, work: Workload, plan: Plan, session: bool) -> dict:
 
 
 # ----- report ------------------------------------------------------------------------------------
-def cpu_description() -> str:
-    """CPU model name and the flags that decide the kernels (bf16, AMX, AVX-512, AVX2)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(shown)}"
-
-
 ROWS = (  # (label, key, better): better = "lower" (times) or "higher" (rates); ratio = kvsplice's advantage
     ("cold prefill 2,000 tokens (s)", "prefill_2000_s", "lower"),
     ("cold prefill 8,000 tokens (s)", "prefill_8000_s", "lower"),
@@ -373,7 +363,7 @@ def main() -> int:
                *shlex.split(args.kvsplice_args)]
     ll_argv = [llama, "-m", gguf, "--port", str(free_port()), "-np", str(LLAMA_SLOTS),
                "-c", str(LLAMA_SLOTS * LLAMA_SLOT_CTX), "--cache-reuse", "16", *shlex.split(args.llama_args)]
-    print(f"CPU: {cpu_description()}; torch {torch.__version__}; load average before: {os.getloadavg()}")
+    print(f"CPU: {cpu_line()}; torch {torch.__version__}; load average before: {os.getloadavg()}")
     print(f"kvsplice: {' '.join(kv_argv[2:])}\nllama-server: {' '.join(ll_argv)}", flush=True)
     results = {}
     for name, argv, session in (("kvsplice", kv_argv, True), ("llama", ll_argv, False)):
@@ -388,7 +378,7 @@ def main() -> int:
         print(table(results["kvsplice"], results["llama"]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"cpu": cpu_description(), "kvsplice_argv": kv_argv[2:],
+        Path(args.out).write_text(json.dumps({"cpu": cpu_line(), "kvsplice_argv": kv_argv[2:],
                                               "llama_argv": ll_argv, "load_after": load_after,
                                               "results": results}, indent=2))
     return 0
