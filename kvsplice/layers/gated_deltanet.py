@@ -35,6 +35,7 @@ from torch.nn import functional as F
 
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq
+from kvsplice.layers.quant_linear import BucketedLinear
 from kvsplice.models.config import LinearAttnConfig
 
 ProjLayout = Literal["qwen3_5", "qwen3_next"]
@@ -143,19 +144,19 @@ class GatedDeltaNet(nn.Module):
         self.lin, self.layout, self.linear_id = lin, layout, linear_id
         key_dim, value_dim = lin.key_dim, lin.value_dim
         if layout == "qwen3_5":
-            self.in_proj_qkv = nn.Linear(hidden_size, 2 * key_dim + value_dim, bias=False, dtype=dtype)
-            self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False, dtype=dtype)
-            self.in_proj_b = nn.Linear(hidden_size, lin.num_v_heads, bias=False, dtype=dtype)
-            self.in_proj_a = nn.Linear(hidden_size, lin.num_v_heads, bias=False, dtype=dtype)
+            self.in_proj_qkv = BucketedLinear(hidden_size, 2 * key_dim + value_dim, bias=False, dtype=dtype)
+            self.in_proj_z = BucketedLinear(hidden_size, value_dim, bias=False, dtype=dtype)
+            self.in_proj_b = BucketedLinear(hidden_size, lin.num_v_heads, bias=False, dtype=dtype)
+            self.in_proj_a = BucketedLinear(hidden_size, lin.num_v_heads, bias=False, dtype=dtype)
         else:
-            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * key_dim + 2 * value_dim, bias=False, dtype=dtype)
-            self.in_proj_ba = nn.Linear(hidden_size, 2 * lin.num_v_heads, bias=False, dtype=dtype)
+            self.in_proj_qkvz = BucketedLinear(hidden_size, 2 * key_dim + 2 * value_dim, bias=False, dtype=dtype)
+            self.in_proj_ba = BucketedLinear(hidden_size, 2 * lin.num_v_heads, bias=False, dtype=dtype)
         self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv_kernel, groups=lin.conv_dim,
                                 bias=False, padding=lin.conv_kernel - 1, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_v_heads, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(lin.num_v_heads, dtype=dtype))
         self.norm = GatedRMSNorm(lin.v_head_dim, eps, dtype)
-        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False, dtype=dtype)
+        self.out_proj = BucketedLinear(value_dim, hidden_size, bias=False, dtype=dtype)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> mixed qkv [T, conv_dim], z [T, Hv, Dv], b, a [T, Hv]."""

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvsplice.layers.quant_linear import BucketedLinear
+
 
 class SwiGLU(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)); parameter names match HF checkpoints."""
@@ -13,9 +15,9 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_proj = BucketedLinear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = BucketedLinear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = BucketedLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., hidden]` -> `[..., hidden]`."""

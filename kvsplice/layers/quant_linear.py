@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 WEIGHT_FORMATS = ("dense", "int8", "int4")
@@ -143,6 +144,16 @@ def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if x.dtype not in _BUCKETED_DTYPES or rows <= ROW_BUCKET or padded == rows or x.dim() != 2:
         return F.linear(x, weight, bias)
     return F.linear(F.pad(x, (0, 0, 0, padded - rows)), weight, bias)[:rows]
+
+
+class BucketedLinear(nn.Linear):
+    """nn.Linear whose forward is `bucketed_linear` (rows of every leading dimension flattened):
+    the reference Decoder's layers, so hybrid models and `--no-fast-path` keep a bounded set of
+    bf16 kernel shapes too. Same parameters, state dict and values as nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return bucketed_linear(rows, self.weight, self.bias).reshape(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear:

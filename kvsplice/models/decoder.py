@@ -38,6 +38,7 @@ from kvsplice.layers.attention import paged_attention, store_kv
 from kvsplice.layers.gated_deltanet import GatedDeltaNet
 from kvsplice.layers.mlp import SwiGLU
 from kvsplice.layers.norm import RMSNorm, ZeroCenteredRMSNorm
+from kvsplice.layers.quant_linear import BucketedLinear
 from kvsplice.layers.rotary import Rotary, apply_rope
 from kvsplice.models.config import ModelConfig
 
@@ -56,10 +57,10 @@ class SelfAttention(nn.Module):
         super().__init__()
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.gated = cfg.attn_output_gate
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out * (1 + self.gated), bias=cfg.attention_bias, dtype=dtype)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        self.q_proj = BucketedLinear(cfg.hidden_size, q_out * (1 + self.gated), bias=cfg.attention_bias, dtype=dtype)
+        self.k_proj = BucketedLinear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.v_proj = BucketedLinear(cfg.hidden_size, kv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = BucketedLinear(q_out, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, cfg.head_dim, dtype)
             self.k_norm = make_norm(cfg, cfg.head_dim, dtype)
@@ -159,7 +160,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderBody(cfg, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = BucketedLinear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.rope)

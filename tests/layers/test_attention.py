@@ -135,3 +135,34 @@ def test_contiguous_decode_attention_masks_by_length(torch_seed):
         expected = _naive_attention(q[row:row + 1], k[row, :, :n].transpose(0, 1), v[row, :, :n].transpose(0, 1),
                                     positions[-1:], positions)
         torch.testing.assert_close(out[row:row + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_bucket_sizes():
+    from kvsplice.layers.attention import attention_bucket
+
+    assert [attention_bucket(n) for n in (1, 2, 3, 5, 33, 64, 65, 128, 129)] == [1, 2, 4, 8, 64, 64, 128, 128, 192]
+
+
+@pytest.mark.parametrize("query_len, context_len, permute, window", [
+    (100, 100, False, None),    # plain causal prefill: queries and keys padded alike
+    (70, 150, False, None),     # a chunk after cached context: masked, both padded
+    (3, 90, True, None),        # a few rows over a permuted context: power-of-two query padding
+    (65, 130, False, 40),       # sliding window
+])
+def test_bf16_padding_is_invisible(torch_seed, query_len, context_len, permute, window):
+    """In bf16 the reference pads queries and context to bucket sizes; the real rows' output must be
+    the attention over the real context alone (naive fp32 over the same bf16 values)."""
+    pool = KVPool(256, 1, HKV, D, dtype=torch.bfloat16)
+    slots, pos = torch.randperm(256)[:context_len], torch.arange(context_len)
+    k, v = torch.randn(context_len, HKV, D), torch.randn(context_len, HKV, D)
+    store_kv(k, v, 0, slots, pool)
+    order = torch.randperm(context_len) if permute else torch.arange(context_len)
+    q = torch.randn(query_len, HQ, D).to(torch.bfloat16)
+    q_pos = pos[-query_len:]
+    batch = ForwardBatch.single(torch.zeros(query_len, dtype=torch.long), q_pos, slots[-query_len:],
+                                slots[order], pos[order], all_logits=True)
+    out = paged_attention(q, 0, batch, pool, D ** -0.5, sliding_window=window)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    expected = _naive_attention(q.float(), pool.k_layer(0)[slots].float(), pool.v_layer(0)[slots].float(),
+                                q_pos, pos, window)
+    torch.testing.assert_close(out.float(), expected, atol=0.03, rtol=0.03)

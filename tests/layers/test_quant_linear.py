@@ -92,3 +92,15 @@ def test_bucketed_linear_matches_linear_for_every_row_count():
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
     x32 = torch.randn(13, 32)
     torch.testing.assert_close(bucketed_linear(x32, weight.float(), None), x32 @ weight.float().T)
+
+
+def test_bucketed_linear_module_is_an_nn_linear_with_the_same_values():
+    from kvsplice.layers.quant_linear import ROW_BUCKET, BucketedLinear
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(32, 40, dtype=torch.bfloat16)
+    bucketed = BucketedLinear(32, 40, dtype=torch.bfloat16)
+    bucketed.load_state_dict(plain.state_dict())
+    assert isinstance(bucketed, torch.nn.Linear)
+    x = torch.randn(3, ROW_BUCKET + 7, 32, dtype=torch.bfloat16)   # leading dims flattened: 213 rows
+    torch.testing.assert_close(bucketed(x), plain(x), rtol=0, atol=0)
