@@ -227,13 +227,19 @@ async def run_traffic(url: str, pid: int, traces: list[Conversation], args) -> t
     deadline = start + args.duration
 
     async def sample_after_warmup() -> None:
+        """The baseline after the warm-up, then RSS at nine more evenly spaced times (rss["timeline"]:
+        [seconds, requests so far, MiB]), so a reader sees whether growth levels off."""
         await asyncio.sleep(args.warmup)
         rss["warm"], rss["warm_requests"] = rss_mb(pid), tally.total
+        rss["timeline"] = [[round(time.monotonic() - start, 1), tally.total, round(rss["warm"], 1)]]
+        every = (args.duration - args.warmup) / 10
+        while True:
+            await asyncio.sleep(every)
+            rss["timeline"].append([round(time.monotonic() - start, 1), tally.total, round(rss_mb(pid), 1)])
 
     warmup = asyncio.create_task(sample_after_warmup())
     await asyncio.gather(*(_client(url, c, traces, deadline, args.seed, tally) for c in range(args.clients)))
-    if not warmup.done():  # a run shorter than its warm-up: growth is measured from the start
-        warmup.cancel()
+    warmup.cancel()  # (a run shorter than its warm-up: growth is measured from the start)
     rss["elapsed_s"] = time.monotonic() - start
     return tally, rss
 
@@ -274,6 +280,7 @@ def report(tally: Tally, rss: dict[str, float], idle: dict[str, Any], reasons: l
               f"RSS MiB: start {rss['start']:.1f}, after warm-up ({args.warmup:.0f} s, {rss['warm_requests']} "
               f"requests) {rss['warm']:.1f}, end {rss['end']:.1f} (after /flush_cache {rss['after_flush']:.1f}); "
               f"growth after warm-up: {_growth(rss)}",
+              "RSS over time (s, requests, MiB): " + ", ".join(f"{t:.0f} {n} {m:.0f}" for t, n, m in rss.get("timeline", [])),
               f"idle: slots in use {idle.get('slots_in_use_idle')} of {idle.get('slots_total')} (idle SCR sessions' "
               f"private K/V); after /flush_cache {idle.get('slots_in_use_after_flush')} in use, "
               f"{idle.get('slots_free_after_flush')} free (leaked: "

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.engine.forward_batch import ForwardBatch, PaddedContexts
+from kvsplice.layers.shape_bucket import PADDED_DTYPES, bucket
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, layer_id: int, out_slots: torch.Tensor, pool: KVPool) -> None:
@@ -92,22 +93,10 @@ def contiguous_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return attended[:, :, 0, :]
 
 
-# bf16 / fp16 SDPA on CPU runs brgemm kernels generated for each (query block, key block) shape,
-# and their code is kept: measured on 2 Sapphire Rapids cores, 400 random prefill shapes of the
-# default model's attention grew a process by 473 MiB causal and 387 MiB masked (fp32: 48 MiB).
-# Rounding query rows and context entries as `attention_bucket` does (zero queries and masked
-# keys, sliced off after) leaves a few dozen shapes: 23 MiB causal, 89 MiB masked over 800 shapes,
-# most of it malloc's high-water mark. Small queries round to a power of two, not to 64, so a
-# few-row chunk over a long context does not pay for 64 rows.
-ATTENTION_BUCKET = 64
-_BUCKETED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def attention_bucket(n: int) -> int:
-    """`n` rounded up: to a power of two up to ATTENTION_BUCKET, above it to a multiple of it."""
-    if n <= ATTENTION_BUCKET:
-        return 1 << (n - 1).bit_length()
-    return -(-n // ATTENTION_BUCKET) * ATTENTION_BUCKET
+# In bf16 / fp16 each request's queries and context run at `shape_bucket.bucket` sizes. Measured on
+# 2 Sapphire Rapids cores: 400 random prefill shapes of the default model's attention grew a process
+# by 473 MiB causal and 387 MiB masked; bucketed, by 23 MiB and 89 MiB over 800 shapes (most of it
+# malloc's high-water mark).
 
 
 def paged_attention_reference(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool, scale: float,
@@ -130,8 +119,8 @@ def _sequence_attention(q: torch.Tensor, query_pos: torch.Tensor, context_slots:
                         context_pos: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, scale: float,
                         sliding_window: Optional[int]) -> torch.Tensor:
     """One request's attention: `q [Q, Hq, D]` at `query_pos` over the pool entries `context_slots`
-    at `context_pos`. In bf16 / fp16, Q and C are padded to `attention_bucket` sizes (see
-    ATTENTION_BUCKET); the padding is invisible to the real rows:
+    at `context_pos`. In bf16 / fp16, Q and C are padded to `bucket` sizes (see
+    kvsplice.layers.shape_bucket); the padding is invisible to the real rows:
 
         keys:     [ c_0 ... c_{C-1} | copies of c_0 ]   masked out for every row
         queries:  [ q_0 ... q_{Q-1} | zeros ]           see every real key, sliced off after
@@ -141,8 +130,8 @@ def _sequence_attention(q: torch.Tensor, query_pos: torch.Tensor, context_slots:
     query_len, context_len = q.shape[0], context_slots.numel()
     causal = sliding_window is None and _is_plain_causal(query_pos, context_pos)
     mask = None if causal else position_mask(query_pos, context_pos, sliding_window)
-    if q.dtype in _BUCKETED_DTYPES:
-        pad_q, pad_c = attention_bucket(query_len) - query_len, attention_bucket(context_len) - context_len
+    if q.dtype in PADDED_DTYPES:
+        pad_q, pad_c = bucket(query_len) - query_len, bucket(context_len) - context_len
         q = F.pad(q, (0, 0, 0, 0, 0, pad_q))
         context_slots = F.pad(context_slots, (0, pad_c), value=int(context_slots[0]))
         if mask is not None:

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvsplice.layers.shape_bucket import PADDED_DTYPES, bucket
+
 WEIGHT_FORMATS = ("dense", "int8", "int4")
 INT4_GROUP = 32                      # GGUF's Q4_0 / Q4_1 block size
 SMALL_BATCH_ROWS = {"int8": 6, "int4": 12}
@@ -125,25 +127,17 @@ def is_lossless(weight: torch.Tensor, fmt: str) -> bool:
     return bool((off_grid <= 1e-3 * step + rounding * grid_top).all())
 
 
-# bf16 / fp16 matmuls on CPU run oneDNN kernels generated for each row count, and their code is
-# kept: measured on 2 Sapphire Rapids cores, 496 distinct row counts of one [1536, 576] bf16 linear
-# grew the process by 511 MiB (about 1 MiB per shape), and a server's prefill chunks take any row
-# count up to --max-batch-tokens. Rounding row counts above ROW_BUCKET up to a multiple of it (zero
-# rows, sliced off after) bounds the shapes to ROW_BUCKET + max_batch_tokens / ROW_BUCKET per weight
-# (41 MiB for the same sweep). Smaller batches (decode steps, logit rows) keep their own row count:
-# padding one decode row of the lm_head to 64 would multiply its work by 64.
-ROW_BUCKET = 64
-_BUCKETED_DTYPES = (torch.bfloat16, torch.float16)
-
-
+# Linears in bf16 / fp16 run at `shape_bucket.bucket(rows)` rows. Measured on 2 Sapphire Rapids
+# cores: 496 distinct row counts of one [1536, 576] bf16 linear grew the process by 511 MiB; the 64
+# small row counts of the default model's five weight shapes take 209 MiB, row counts 128..2,112 in
+# steps of 64 another 173 MiB; bucketed, the small ones become 7 shapes per weight.
 def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K], computed on M rounded up to a multiple of ROW_BUCKET
-    when x is bf16 / fp16 and M > ROW_BUCKET (see ROW_BUCKET); the same values, [M, N]."""
+    """F.linear(x, weight, bias) for x [M, K], computed on `bucket(M)` rows (zero rows, sliced off)
+    when x is bf16 / fp16 (see kvsplice.layers.shape_bucket); the same values, [M, N]."""
     rows = x.shape[0]
-    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
-    if x.dtype not in _BUCKETED_DTYPES or rows <= ROW_BUCKET or padded == rows or x.dim() != 2:
+    if x.dtype not in PADDED_DTYPES or x.dim() != 2 or rows == 0 or bucket(rows) == rows:
         return F.linear(x, weight, bias)
-    return F.linear(F.pad(x, (0, 0, 0, padded - rows)), weight, bias)[:rows]
+    return F.linear(F.pad(x, (0, 0, 0, bucket(rows) - rows)), weight, bias)[:rows]
 
 
 class BucketedLinear(nn.Linear):

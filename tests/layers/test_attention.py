@@ -137,12 +137,6 @@ def test_contiguous_decode_attention_masks_by_length(torch_seed):
         torch.testing.assert_close(out[row:row + 1], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_bucket_sizes():
-    from kvsplice.layers.attention import attention_bucket
-
-    assert [attention_bucket(n) for n in (1, 2, 3, 5, 33, 64, 65, 128, 129)] == [1, 2, 4, 8, 64, 64, 128, 128, 192]
-
-
 @pytest.mark.parametrize("query_len, context_len, permute, window", [
     (100, 100, False, None),    # plain causal prefill: queries and keys padded alike
     (70, 150, False, None),     # a chunk after cached context: masked, both padded

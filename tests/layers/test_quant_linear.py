@@ -81,11 +81,12 @@ def test_int4_needs_inputs_divisible_by_32(torch_seed):
 
 
 def test_bucketed_linear_matches_linear_for_every_row_count():
-    from kvsplice.layers.quant_linear import ROW_BUCKET, bucketed_linear
+    from kvsplice.layers.quant_linear import bucketed_linear
+    from kvsplice.layers.shape_bucket import BUCKET as ROW_BUCKET
 
     torch.manual_seed(0)
     weight, bias = torch.randn(40, 32, dtype=torch.bfloat16), torch.randn(40, dtype=torch.bfloat16)
-    for rows in (1, 13, ROW_BUCKET, ROW_BUCKET + 1, 3 * ROW_BUCKET - 5):
+    for rows in (1, 5, 13, ROW_BUCKET, ROW_BUCKET + 1, 3 * ROW_BUCKET - 5):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
         got = bucketed_linear(x, weight, bias)
         assert got.shape == (rows, 40) and got.is_contiguous()
@@ -95,7 +96,8 @@ def test_bucketed_linear_matches_linear_for_every_row_count():
 
 
 def test_bucketed_linear_module_is_an_nn_linear_with_the_same_values():
-    from kvsplice.layers.quant_linear import ROW_BUCKET, BucketedLinear
+    from kvsplice.layers.quant_linear import BucketedLinear
+    from kvsplice.layers.shape_bucket import BUCKET as ROW_BUCKET
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(32, 40, dtype=torch.bfloat16)
