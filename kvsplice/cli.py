@@ -60,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-prefill-tokens", type=int, default=None,
                        help="prefill tokens every step carries at least, so prefill always progresses (default 16)")
     group.add_argument("--decode-threads", type=_decode_threads, default="auto",
-                       help="intra-op threads of decode-only steps: N, or auto (default: one fewer than the "
+                       help="intra-op threads of steps with decode rows: N, or auto (default: one fewer than the "
                             "other steps get, at least 1, so tokens stream out while the next step runs)")
     group.add_argument("--device", default="cpu", help="torch device (default cpu)")
     group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")

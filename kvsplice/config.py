@@ -38,7 +38,7 @@ class EngineConfig:
         takes about this many times a decode-only step (`kvsplice.engine.step_budget`).
     min_prefill_tokens: prefill tokens every step carries at least (when there are any, and at
         most max_batch_tokens), so prefill always progresses.
-    decode_threads: intra-op threads of decode-only steps (`kvsplice.engine.thread_policy`);
+    decode_threads: intra-op threads of steps with decode rows (`kvsplice.engine.thread_policy`);
         None: the same as every other step (torch's thread count). `kvsplice serve` gives one
         fewer, so the HTTP side has a core while tokens stream.
     """

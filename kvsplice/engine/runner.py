@@ -141,7 +141,7 @@ class ModelRunner:
             if self.failpoints is not None:
                 self.failpoints.check("forward", [c.req.rid for c in chunks])
             decode_rows = sum(1 for c in chunks if c.req.is_decoding and len(c.offsets) == 1)
-            self.threads.apply(decode_only=decode_rows == batch.num_tokens)
+            self.threads.apply(decoding=decode_rows > 0)
             logits = self._forward(batch)
         except BaseException:
             if self.arena is not None:

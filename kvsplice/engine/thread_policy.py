@@ -9,10 +9,16 @@ step's threads, every parallel op of the step waits at its barrier for the desch
 cores (docs/BENCHMARKS.md, "Decode threads in the server"): the streamed inter-token latency
 of one request fell from 26-28 ms at 2 threads to 21 ms at 1.
 
-So decode-only steps may run on `decode_threads` and every other step on `compute_threads`:
+So steps that carry decode rows may run on `decode_threads`, and prefill-only steps (nobody is
+waiting for a token) on `compute_threads`. A step that mixes decode rows with other requests'
+prefill chunks counts as a decoding step: its decode rows' tokens are streamed right after it, so
+it competes with the event loop the same way. Measured on 2 cores with one request decoding while
+four others prefill 2K-token prompts (the same server, alternately): mixed steps on 2 threads gave
+that stream 77 / 104 ms p50 / p99 between tokens and the four prefills a median TTFT of 24.5 s;
+on 1 thread 72 / 91 ms and 22.2 s (benchmarks/vs_llamacpp.py, "ITL while 4 prefill 2K").
 
-    step:        prefill chunk(s) ...      decode rows only      prefill + decode rows
-    threads:     compute_threads           decode_threads        compute_threads
+    step:        prefill chunk(s) only     decode rows only      prefill + decode rows
+    threads:     compute_threads           decode_threads        decode_threads
 """
 
 from __future__ import annotations
@@ -44,16 +50,16 @@ class ThreadPolicy:
         compute = torch.get_num_threads()
         return cls(compute, None if decode_threads is None else min(decode_threads, compute))
 
-    def threads_for(self, decode_only: bool) -> int:
-        """Threads for a step that is (or is not) made of decode rows only."""
-        if decode_only and self.decode_threads is not None:
+    def threads_for(self, decoding: bool) -> int:
+        """Threads for a step that carries decode rows (`decoding`) or prefill chunks only."""
+        if decoding and self.decode_threads is not None:
             return self.decode_threads
         return self.compute_threads
 
-    def apply(self, decode_only: bool) -> None:
+    def apply(self, decoding: bool) -> None:
         """Set torch's intra-op thread count for the next step. Side effect: process-wide
         (torch.set_num_threads); the engine thread is the only one running forwards."""
-        wanted = self.threads_for(decode_only)
+        wanted = self.threads_for(decoding)
         if wanted != self.current:
             torch.set_num_threads(wanted)
             self.current = wanted

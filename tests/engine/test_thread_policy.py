@@ -1,4 +1,4 @@
-"""ThreadPolicy: decode-only steps on decode_threads, every other step on compute_threads."""
+"""ThreadPolicy: steps with decode rows on decode_threads, prefill-only steps on compute_threads."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def two_threads():
 
 def test_policy_picks_by_step_kind_and_caps_at_compute_threads(two_threads):
     policy = ThreadPolicy.from_config(1)
-    assert (policy.threads_for(decode_only=True), policy.threads_for(decode_only=False)) == (1, 2)
+    assert (policy.threads_for(decoding=True), policy.threads_for(decoding=False)) == (1, 2)
     assert ThreadPolicy.from_config(8).decode_threads == 2       # never more than the other steps get
     unset = ThreadPolicy.from_config(None)
-    assert unset.threads_for(decode_only=True) == unset.threads_for(decode_only=False) == 2
+    assert unset.threads_for(decoding=True) == unset.threads_for(decoding=False) == 2
     assert [auto_decode_threads(n) for n in (1, 2, 8)] == [1, 1, 7]
 
 
@@ -38,9 +38,12 @@ def test_engine_runs_decode_steps_on_decode_threads(tmp_path, two_threads):
         engine.step()
         seen.append(torch.get_num_threads())
     assert seen[0] == 2 and set(seen[1:]) == {1}, seen    # the prefill step, then decode-only steps
-    engine.add_request(list(range(50, 90)), SamplingParams(max_tokens=2, temperature=0.0))
+    engine.add_request(list(range(50, 90)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.step()
     assert torch.get_num_threads() == 2                  # a prefill step gets every thread back
+    engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=2, temperature=0.0))
+    engine.step()                                        # the first one's decode row + the new prefill
+    assert torch.get_num_threads() == 1
 
 
 def test_decode_threads_are_checked_and_the_cli_default_leaves_a_core(two_threads):
