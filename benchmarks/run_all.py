@@ -163,6 +163,12 @@ BENCHMARKS = (
               "python benchmarks/step_cost.py",
               "One request decodes at a 2,000-token context while another prefills: CPU time of a step for each "
               "prefill share, as a multiple of a decode-only step (what --step-budget-ratio lets through)."),
+    Benchmark("decode_profile", "Where a decode step's time goes", "fast decode",
+              "python benchmarks/decode_profile.py",
+              "The engine alone (no HTTP) on the default model as served (bf16, the GGUF's 4-bit groups): median "
+              "decode step time for 1 and 8 greedy streams on 1 and 2 threads, and the profiler's split of a step "
+              "into the packed 4-bit matmuls, dense matmuls (the lm_head over the 49,152-token vocabulary), "
+              "attention and the remaining small ops."),
     Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
               "python benchmarks/vs_llamacpp.py --out runs/vs_llamacpp.json",
               "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold prefill "

@@ -73,6 +73,11 @@ class DecodeArena:
     def capacity(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V storage held now (grows with use, up to `max_tokens` tokens' worth)."""
+        return self.k.nbytes + self.v.nbytes
+
     def clear(self) -> None:
         """Drop every row and free the storage."""
         self.reqs, self.lengths = [], []

@@ -81,6 +81,7 @@ class EngineSnapshot:
     slots_in_use: int
     slots_free: int
     slots_cached: int
+    decode_arena_bytes: int = 0
 
 
 def take_snapshot(engine) -> EngineSnapshot:
@@ -94,6 +95,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         slots_in_use=engine.slots_in_use(),
         slots_free=engine.cache.allocator.num_free,
         slots_cached=engine.cache.radix.cached_size(),
+        decode_arena_bytes=engine.runner.arena.nbytes if engine.runner.arena is not None else 0,
     )
 
 
@@ -184,6 +186,9 @@ def _engine_gauges(snap: EngineSnapshot) -> tuple[tuple[str, str, float], ...]:
         ("kvsplice_kv_slots_in_use", "KV slots held by running requests and SCR sessions", snap.slots_in_use),
         ("kvsplice_kv_slots_free", "KV slots free", snap.slots_free),
         ("kvsplice_kv_slots_cached", "KV slots held by the radix cache", snap.slots_cached),
+        ("kvsplice_decode_arena_bytes", "bytes held by the decode arena (contiguous copies of decoding "
+         "requests' K/V; grows with use up to --decode-arena-tokens tokens' worth, never beyond)",
+         snap.decode_arena_bytes),
         ("kvsplice_kv_pool_usage_ratio", "share of KV slots in use (not free, not cache)",
          snap.slots_in_use / snap.slots_total if snap.slots_total else 0.0),
         ("kvsplice_prefix_cache_hit_ratio",
