@@ -65,7 +65,7 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
 from kvsplice.reuse.diff import EqualRun, diff_tokens
-from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown
+from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before
 from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, scoring_pass,
                                       seam_offsets)
 from kvsplice.reuse.relocate import relocate
@@ -135,7 +135,7 @@ class ReuseManager:
         field, by a "kvreuse:off" salt, or because the prefix cache is off). Raises ValueError
         for a malformed `scr` field."""
         cfg = parse_request_override(scr, cache_salt, self.config)
-        asked = [key for key in ("recompute", "seam_tokens") if isinstance(scr, dict) and scr.get(key, 0)]
+        asked = [key for key in ("recompute", "seam_tokens", "seam_per_removed") if isinstance(scr, dict) and scr.get(key, 0)]
         if asked and self.cache.states is not None:
             raise SettingError(f"scr.{asked[0]}: selective recompute needs a model whose every layer is "
                                "attention, and this one is a hybrid", f"scr.{asked[0]}")
@@ -311,7 +311,7 @@ class ReuseManager:
         if self.cache.states is not None:
             return 0
         count = recompute_count(scr.plan, cfg.recompute)   # a share of all relocated tokens
-        seams = seam_offsets(scr.plan, cfg.seam_tokens)
+        seams = seam_offsets(scr.plan, cfg.seam_tokens, cfg.seam_per_removed)
         if seams:
             self._apply_recompute(req, scr, seams)
         count = min(count, scr.plan.relocated_tokens)
@@ -374,7 +374,7 @@ class ReuseManager:
         breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=plan.prefix_len, keeps=keeps, tail=tail)
         if not keeps:
             return PlanResult(None, "no_spans", breakdown)
-        return PlanResult(dataclasses.replace(plan, keeps=keeps), None, breakdown)
+        return PlanResult(dataclasses.replace(plan, keeps=keeps, removed=removed_before(keeps, runs)), None, breakdown)
 
     @staticmethod
     def _plan_state_loads(req: Req, plan: SpanPlan, old_states: dict[int, int], mode: str,

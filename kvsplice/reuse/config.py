@@ -53,8 +53,11 @@ class ReuseConfig:
     # selective recompute (kvsplice.reuse.recompute): tokens computed again in every layer after
     # relocation: the first `seam_tokens` of every relocated span, and a `recompute` share of the
     # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
-    # through the first `score_layers` layers)
+    # through the first `score_layers` layers); `seam_per_removed` lengthens the seam of a span
+    # that directly follows removed (deleted or replaced) old text by that many tokens per
+    # removed token
     seam_tokens: int = 16
+    seam_per_removed: float = 0.0
     recompute: float = 0.0
     recompute_policy: str = "heads"
     score_layers: int = 1
@@ -137,6 +140,7 @@ FIELD_TYPES: dict[str, type] = {
     "checkpoint_policy": str,
     "checkpoint_max_states": int,
     "seam_tokens": int,
+    "seam_per_removed": float,
     "recompute": float,
     "recompute_policy": str,
     "score_layers": int,
@@ -297,6 +301,9 @@ ENV_TABLE: tuple[EnvVar, ...] = (
     # selective recompute: no overlay counterpart
     EnvVar("KVREUSE_SEAM_TOKENS", "seam_tokens", parse_int, "--scr-seam-tokens",
            "tokens recomputed at the start of every relocated span, right after its seam (attention-only models)"),
+    EnvVar("KVREUSE_SEAM_PER_REMOVED", "seam_per_removed", parse_float, "--scr-seam-per-removed",
+           "further seam tokens per old token removed (deleted or replaced) right before a relocated span "
+           "(0 to 1; attention-only models)"),
     EnvVar("KVREUSE_RECOMPUTE", "recompute", parse_float, "--scr-recompute",
            "share of relocated tokens recomputed in every layer, chosen by recompute_policy (0: none; "
            "attention-only models)"),
@@ -315,7 +322,7 @@ RETIRED_ENV: dict[str, str] = {
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode", "seam_tokens", "recompute", "recompute_policy", "score_layers"})
+                            "state_mode", "seam_tokens", "seam_per_removed", "recompute", "recompute_policy", "score_layers"})
 
 SALT_OFF = "kvreuse:off"
 

@@ -73,13 +73,16 @@ class SpanPlan:
     """How one prompt of prompt_len tokens is served: [0, prefix_len) from the radix cache, the
     keeps relocated from the session, computed_ranges recomputed. `tail` is the minimum number of
     computed tokens after every keep. `recomputed`: new offsets inside keeps that are computed
-    again after relocation (selective recompute), increasing."""
+    again after relocation (selective recompute), increasing. `removed`: per keep, how many old
+    tokens right before it (since the previous keep, or the prefix) are gone from the new prompt
+    (deleted or replaced text its K/V saw), or () when not known."""
 
     prompt_len: int
     prefix_len: int
     keeps: tuple[Keep, ...]
     tail: int
     recomputed: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
 
     @property
     def relocated_tokens(self) -> int:
@@ -133,7 +136,7 @@ class SpanPlan:
         prefix_len; every relocated token identical in old and new; every src range within
         old_kv_len <= len(old_ids); at least `tail` computed tokens after every keep (so the
         prompt's last token is computed); recomputed offsets increasing, unique, each inside a
-        keep; prefix + relocated + prefilled == prompt_len."""
+        keep; `removed` empty or one count >= 0 per keep; prefix + relocated + prefilled == prompt_len."""
         if self.prompt_len != len(new_ids):
             raise PlanError(f"prompt_len {self.prompt_len} != len(new_ids) {len(new_ids)}")
         if not 0 <= self.prefix_len <= self.prompt_len:
@@ -149,6 +152,8 @@ class SpanPlan:
                 raise PlanError(f"{keep} is followed by fewer than {self.tail} prompt tokens")
             src_floor, dst_floor = keep.src_end, keep.dst_end + self.tail
         _validate_recomputed(self.recomputed, self.keeps)
+        if self.removed and (len(self.removed) != len(self.keeps) or min(self.removed) < 0):
+            raise PlanError(f"removed {self.removed} must hold one count >= 0 per keep")
         computed = sum(end - start for start, end in self.computed_ranges)
         if self.prefix_len + self.relocated_tokens + computed != self.prompt_len:
             raise PlanError("prefix + relocated + prefilled != prompt_len")
@@ -240,8 +245,27 @@ def make_plan(
         keeps = choose_keeps(runs, prefix_len=prefix_len, old_kv_len=old_kv_len, cfg=cfg)
         reason = None if keeps else "no_spans"
     breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=prefix_len, keeps=keeps, tail=cfg.tail)
-    plan = SpanPlan(prompt_len, prefix_len, keeps, cfg.tail) if keeps else None
+    removed = removed_before(keeps, runs)
+    plan = SpanPlan(prompt_len, prefix_len, keeps, cfg.tail, removed=removed) if keeps else None
     return PlanResult(plan, reason, breakdown)
+
+
+def removed_before(keeps: Sequence[Keep], runs: Sequence[EqualRun]) -> tuple[int, ...]:
+    """Per keep, the old tokens between the previous keep's end (the first keep: old offset 0) and
+    the keep's start that lie in no equal run: text the keep's K/V attended to that the new prompt
+    no longer has (every token of an equal run is still in the new prompt).
+
+        old   [ A ][ C1 keep ][tail][ removed ][ x ][ more removed ][ C2 keep ]
+        new   [ A ][ C1 keep ][tail][ inserted ][ x ][ C2 keep ]
+        removed_before: C1 -> 0, C2 -> |removed| + |more removed|      (A, tail and x: equal runs)
+    """
+    counts = []
+    start = 0
+    for keep in keeps:
+        kept = sum(max(0, min(run.old_end, keep.src_pos) - max(run.old_offset, start)) for run in runs)
+        counts.append(max(0, keep.src_pos - start - kept))
+        start = keep.src_end
+    return tuple(counts)
 
 
 def choose_keeps(runs: Sequence[EqualRun], *, prefix_len: int, old_kv_len: int, cfg: ReuseConfig) -> tuple[Keep, ...]:

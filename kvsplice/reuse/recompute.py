@@ -141,9 +141,18 @@ def _heads(plan: SpanPlan, count: int) -> list[int]:
     return sorted(chosen)
 
 
-def seam_offsets(plan: SpanPlan, tokens: int) -> list[int]:
-    """The first `tokens` offsets of every relocated span (all of a shorter one), increasing."""
-    return [o for keep in plan.keeps for o in range(keep.dst_pos, min(keep.dst_end, keep.dst_pos + tokens))]
+def seam_lengths(plan: SpanPlan, tokens: int, per_removed: float = 0.0) -> list[int]:
+    """Per keep, its seam: `tokens` plus `per_removed` per old token removed right before it
+    (`plan.removed`; rounded half up), at most the whole span. A span after removed text saw that
+    text in every relocated position, not only at its seam (docs/BENCHMARKS.md, the fresh cases)."""
+    removed = plan.removed or (0,) * len(plan.keeps)
+    return [min(keep.length, tokens + math.floor(per_removed * gone + 0.5)) for keep, gone in zip(plan.keeps, removed)]
+
+
+def seam_offsets(plan: SpanPlan, tokens: int, per_removed: float = 0.0) -> list[int]:
+    """The first `seam_lengths` offsets of every relocated span, increasing."""
+    return [o for keep, length in zip(plan.keeps, seam_lengths(plan, tokens, per_removed))
+            for o in range(keep.dst_pos, keep.dst_pos + length)]
 
 
 POLICIES: dict[str, Policy] = {

@@ -143,6 +143,25 @@ def test_seams_and_a_share_add_up(model_dir):
     assert req.reuse.recomputed == len(plan.recomputed)
 
 
+def test_seams_grow_after_removed_text_only(model_dir):
+    """seam_per_removed: NOTES follows the removed tool result (its 30 tokens gone, but for the
+    few the diff matches by chance in the 10 inserted ones) and gets seam_tokens + 0.5 per removed
+    token recomputed; TAIL follows only inserted text and keeps the fixed seam. The counters add up."""
+    llm = make_llm(model_dir, seam_tokens=2, seam_per_removed=0.5)
+    req = first_step(llm)
+    plan = req.scr.plan
+    removed = plan.removed[0]
+    assert len(TOOL_RESULT) - 3 <= removed <= len(TOOL_RESULT) and plan.removed[1] == 0
+    notes, tail = plan.keeps
+    seam = 2 + int(0.5 * removed + 0.5)
+    expected = list(range(notes.dst_pos, notes.dst_pos + seam)) + list(range(tail.dst_pos, tail.dst_pos + 2))
+    assert list(plan.recomputed) == expected
+    finish(llm)
+    req.reuse.check(len(TURN2))
+    assert req.reuse.recomputed == seam + 2
+    llm.engine.check_integrity()
+
+
 def test_chunked_scoring_chooses_the_same_tokens(model_dir):
     """A scoring pass cut into chunks by a small step budget chooses what one chunk would."""
     whole = make_llm(model_dir, recompute=0.1, recompute_policy="deviation")
@@ -161,7 +180,8 @@ def test_chunked_scoring_chooses_the_same_tokens(model_dir):
 def test_recompute_setting_is_range_checked(model_dir):
     llm = make_llm(model_dir)
     for bad in ({"recompute": 1.5}, {"recompute": -0.1}, {"recompute_policy": "best"}, {"score_layers": 9},
-                {"recompute": True}, {"seam_tokens": -1}, {"seam_tokens": 5000}):
+                {"recompute": True}, {"seam_tokens": -1}, {"seam_tokens": 5000}, {"seam_per_removed": 1.5},
+                {"seam_per_removed": -0.5}, {"seam_per_removed": "0.5"}):
         with pytest.raises(ValueError):
             llm.generate([TURN1], GREEDY, scr=bad)
 
@@ -185,9 +205,9 @@ def test_hybrids_refuse_a_requested_recompute_and_skip_the_server_default(hybrid
     (naming the field); a server-wide setting leaves hybrid requests as they were."""
     llm = LLM(engine=build_engine(EngineConfig(model=hybrid_dir, reuse=BASE.replace(
         seam_tokens=8, recompute=0.1, checkpoint_policy="every:16"))))
-    for field in ("recompute", "seam_tokens"):
+    for field in ("recompute", "seam_tokens", "seam_per_removed"):
         with pytest.raises(ValueError, match=f"scr.{field}"):
-            llm.generate([TURN1], GREEDY, scr={field: 0.1 if field == "recompute" else 4})
+            llm.generate([TURN1], GREEDY, scr={field: 4 if field == "seam_tokens" else 0.1})
     llm.generate([TURN1], GREEDY, session_id="h")
     out = llm.generate([TURN2], GREEDY, session_id="h")[0]
     assert out.reuse.relocated_tokens > 0 and out.reuse.recomputed == 0 and out.reuse.scored_tokens == 0

@@ -223,3 +223,27 @@ def test_no_edit_and_pure_append_relocate_nothing(old, appended):
         result = make_plan(old, new, runs, prefix_len=common_prefix_len(old, new), old_kv_len=len(old), cfg=cfg)
         assert result.plan is None
         assert result.breakdown.unchosen_spans == result.breakdown.span_tails == 0
+
+
+def test_removed_before_counts_the_old_text_each_keep_lost():
+    """Per keep, the old tokens between the previous keep and it that are in no equal run: B before
+    C1 (50), x before C2 (20; C1's tail is still there); a pure insertion removes nothing."""
+    a, b, b2, c1, x, c2, d = seq(0, 100), seq(1000, 50), seq(2000, 30), seq(3000, 200), seq(4000, 20), seq(5000, 300), seq(6000, 40)
+    plan = plan_for(a + b + c1 + x + c2, a + b2 + c1 + c2 + d, prefix_len=100).plan
+    assert plan.removed == (50, 20)
+    inserted = plan_for(a + c1 + c2, a + b + c1 + x + c2 + d, prefix_len=100).plan
+    assert len(inserted.keeps) == 2 and inserted.removed == (0, 0)
+    # an equal run in the gap that is not relocated (shorter than min_span) is not removed text
+    short = seq(7000, 10)
+    kept_in_gap = plan_for(a + b + short + x + c1, a + short + c1 + d, prefix_len=100).plan
+    assert kept_in_gap.keeps[0].src_pos == 100 + 50 + 10 + 20 and kept_in_gap.removed == (70,)
+
+
+def test_validate_rejects_a_removed_count_per_keep_that_does_not_fit():
+    a, b, c1, d = seq(0, 100), seq(1000, 50), seq(3000, 200), seq(6000, 40)
+    old, new = a + b + c1, a + c1 + d
+    plan = plan_for(old, new, prefix_len=100).plan
+    plan.validate(old, new, len(old))
+    for bad in ((50, 3), (-1,)):
+        with pytest.raises(PlanError, match="removed"):
+            dataclasses.replace(plan, removed=bad).validate(old, new, len(old))

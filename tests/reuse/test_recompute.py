@@ -1,11 +1,13 @@
 """Selective recompute's pure parts: counts, the scoring pass's bookkeeping, the deviation, policies."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvsplice.reuse.plan import Keep, SpanPlan
 from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, relocated_offsets,
-                                      scoring_pass, seam_offsets)
+                                      scoring_pass, seam_lengths, seam_offsets)
 
 PLAN = SpanPlan(200, 10, (Keep(30, 20, 40), Keep(100, 80, 60)), tail=8)
 
@@ -68,3 +70,14 @@ def test_heads_share_the_count_out_over_the_spans_and_seams_take_a_fixed_head():
     partly = PLAN.with_recomputed([20])
     assert POLICIES["heads"].choose(partly, 2) == [21, 80]
     assert relocated_offsets(partly)[:2] == [21, 22]
+
+
+def test_seams_after_removed_text_grow_with_what_was_removed():
+    """seam_per_removed lengthens only the seams of spans that follow removed old text, rounded
+    half up, never past the span; without removal counts the seams are the fixed ones."""
+    removed = dataclasses.replace(PLAN, removed=(0, 30))
+    assert seam_lengths(removed, 3, 0.5) == [3, 18]
+    assert seam_lengths(removed, 3, 0.05) == [3, 5]            # 1.5 rounds up to 2
+    assert seam_lengths(removed, 3, 0.0) == seam_lengths(PLAN, 3, 0.5) == [3, 3]
+    assert seam_lengths(dataclasses.replace(PLAN, removed=(200, 500)), 3, 1.0) == [40, 60]
+    assert seam_offsets(removed, 2, 0.1) == [20, 21, 80, 81, 82, 83, 84]
