@@ -82,6 +82,8 @@ class Setting:
     score_layers: int = 1
     seam_tokens: int = 0
     seam_per_removed: float = 0.0
+    removed_seam_tokens: int = 0
+    boundary_tokens: int = 0
 
     def request_scr(self) -> str | dict:
         """The per-request `scr` field for this setting ("off" when K == 0)."""
@@ -89,6 +91,7 @@ class Setting:
             return "off"
         return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate,
                 "seam_tokens": self.seam_tokens, "seam_per_removed": self.seam_per_removed,
+                "removed_seam_tokens": self.removed_seam_tokens, "boundary_tokens": self.boundary_tokens,
                 "recompute": self.recompute, "recompute_policy": self.policy,
                 "score_layers": self.score_layers}
 

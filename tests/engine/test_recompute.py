@@ -162,6 +162,30 @@ def test_seams_grow_after_removed_text_only(model_dir):
     llm.engine.check_integrity()
 
 
+def test_message_boundaries_inside_spans_are_recomputed(model_dir):
+    """boundary_tokens: a special token inside a relocated span (a message start in NOTES) and the
+    token after it are recomputed, on top of the seams; ordinary tokens are not."""
+    llm = make_llm(model_dir, seam_tokens=2, boundary_tokens=2)
+    special = sorted(llm.engine.tokenizer.special_ids)
+    notes = list(NOTES)
+    notes[50] = special[0]
+    turn1 = SYSTEM + TOOL_RESULT + notes + TAIL
+    turn2 = SYSTEM + ids(10, 5) + notes + ids(20, 8) + TAIL + ids(10, 6)
+    llm.generate([turn1], GREEDY, session_id="b")
+    rid = llm.engine.add_request(turn2, GREEDY, session_id="b")
+    llm.engine.step()
+    req = llm.engine._reqs[rid]
+    plan = req.scr.plan
+    at = len(SYSTEM) + 10 + 50
+    assert turn2[at] == special[0] and any(k.dst_pos < at < k.dst_end for k in plan.keeps)
+    seams = {o for k in plan.keeps for o in range(k.dst_pos, k.dst_pos + 2)}
+    assert set(plan.recomputed) == seams | {at, at + 1}
+    finish(llm)
+    req.reuse.check(len(turn2))
+    assert req.reuse.recomputed == len(seams) + 2
+    llm.engine.check_integrity()
+
+
 def test_chunked_scoring_chooses_the_same_tokens(model_dir):
     """A scoring pass cut into chunks by a small step budget chooses what one chunk would."""
     whole = make_llm(model_dir, recompute=0.1, recompute_policy="deviation")

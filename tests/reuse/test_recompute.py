@@ -7,7 +7,7 @@ import torch
 
 from kvsplice.reuse.plan import Keep, SpanPlan
 from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, relocated_offsets,
-                                      scoring_pass, seam_lengths, seam_offsets)
+                                      scoring_pass, seam_lengths, seam_offsets, boundary_offsets)
 
 PLAN = SpanPlan(200, 10, (Keep(30, 20, 40), Keep(100, 80, 60)), tail=8)
 
@@ -81,3 +81,26 @@ def test_seams_after_removed_text_grow_with_what_was_removed():
     assert seam_lengths(removed, 3, 0.0) == seam_lengths(PLAN, 3, 0.5) == [3, 3]
     assert seam_lengths(dataclasses.replace(PLAN, removed=(200, 500)), 3, 1.0) == [40, 60]
     assert seam_offsets(removed, 2, 0.1) == [20, 21, 80, 81, 82, 83, 84]
+
+
+def test_a_fixed_seam_after_removed_text_replaces_the_short_one_only_there():
+    removed = dataclasses.replace(PLAN, removed=(0, 30))
+    assert seam_lengths(removed, 3, after_removed=10) == [3, 10]
+    assert seam_lengths(removed, 12, after_removed=10) == [12, 12]       # never shorter than seam_tokens
+    assert seam_lengths(removed, 3, 0.5, after_removed=10) == [3, 25]    # the share comes on top
+    assert seam_lengths(removed, 3, after_removed=100) == [3, 60]        # at most the span
+    assert seam_lengths(PLAN, 3, after_removed=10) == [3, 3]             # removal unknown: fixed seams
+
+
+def test_boundaries_are_the_special_tokens_inside_spans_and_their_headers():
+    """boundary_offsets: every special token inside a relocated span and the tokens - 1 after it,
+    cut at the span's end; special tokens outside the spans (computed anyway) are not chosen."""
+    prompt = [7] * 200
+    for offset in (5, 25, 58, 90, 150):     # 5: before the spans; 150: after them
+        prompt[offset] = 1
+    special = frozenset({1, 2})
+    assert boundary_offsets(PLAN, prompt, special, 1) == [25, 58, 90]
+    assert boundary_offsets(PLAN, prompt, special, 3) == [25, 26, 27, 58, 59, 90, 91, 92]   # span 1 ends at 60
+    assert boundary_offsets(PLAN, prompt, special, 0) == [] == boundary_offsets(PLAN, prompt, frozenset(), 3)
+    prompt[26] = 2                          # overlapping headers are chosen once
+    assert boundary_offsets(PLAN, prompt, special, 3) == [25, 26, 27, 28, 58, 59, 90, 91, 92]
