@@ -45,6 +45,15 @@ FRESH_CASES = ",".join((
     "w11-6-t5-delete_tool_result", "w11-7-t5-replace_with_note", "w11-7-t7-strip_reasoning",
     "w11-7-t8-strip_reasoning", "w11-7-t9-replace_with_note",
 ))
+# the validation cases (workload seed 23), chosen by the same rule
+VALIDATION_CASES = ",".join((
+    "w23-0-t7-delete_tool_result", "w23-1-t2-strip_reasoning", "w23-2-t2-update_note",
+    "w23-2-t4-strip_reasoning", "w23-3-t4-strip_reasoning", "w23-3-t5-replace_with_note",
+    "w23-3-t8-update_note", "w23-3-t9-replace_with_note", "w23-4-t3-update_note",
+    "w23-4-t4-replace_with_note", "w23-4-t5-strip_reasoning", "w23-4-t7-update_note",
+    "w23-5-t3-strip_reasoning", "w23-6-t5-strip_reasoning", "w23-6-t6-delete_tool_result",
+    "w23-7-t3-strip_reasoning", "w23-7-t6-replace_with_note",
+))
 
 
 BENCHMARKS = (
@@ -100,14 +109,29 @@ BENCHMARKS = (
               "mean KL <= 0.0015 nats with at most 8% of the prompt computed, worst case <= 0.03."),
     Benchmark("fidelity_fresh", "Selective recompute on fresh workload cases", "fidelity guard",
               f"kvsplice fidelity --workload-seed 11 --case {FRESH_CASES} "
-              "--seams 16,32 --budgets 0 --front-tails 16 --gen-tokens 4 --out runs/fidelity_fresh",
+              "--seams 16,32 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
+              "--out runs/fidelity_fresh",
               "Cases drawn from the workload generator with a seed no setting was tuned on: the 17 of its 28 cases "
               "whose edit leaves content after it to relocate (the other 11 edit the last message before the new "
               "question), with a question about the removed result after every deletion or replacement. SCR "
               "without selective recompute, the default setting, twice its seams, and the fp8 K/V anchors. Same "
               "targets as the front."),
+    Benchmark("fidelity_validation", "Selective recompute on validation workload cases", "fidelity guard",
+              f"kvsplice fidelity --workload-seed 23 --case {VALIDATION_CASES} "
+              "--seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
+              "--out runs/fidelity_validation",
+              "A second fresh set, drawn with another seed and chosen by the same rule (the 17 of its cases whose "
+              "edit leaves content after it to relocate), that no setting was chosen on: SCR without selective "
+              "recompute, the default setting, the default with longer seams after removed text, and the fp8 K/V "
+              "anchors. Same targets as the front."),
+    Benchmark("fidelity_removed", "Longer seams after removed text on the built-in cases", "fidelity guard",
+              "kvsplice fidelity --seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
+              "--no-anchor --out runs/fidelity_removed",
+              "The built-in edit cases with the default model: the default setting, and the default with a longer "
+              "seam (128 or 256 tokens) for every relocated span that directly follows removed (deleted or "
+              "replaced) text; spans after inserted text only keep the 16-token seam."),
     Benchmark("fidelity_facts", "Fact tracking: current, stale and deleted facts", "fidelity guard",
-              "kvsplice fidelity --task facts --out runs/fidelity_facts",
+              "kvsplice fidelity --task facts --removed-seams 128,256 --out runs/fidelity_facts",
               "Agent transcripts with one passphrase planted in a tool result or in the notes, then updated, deleted "
               "or kept, then asked for: how often the answer follows the current value and how often the stale or "
               "deleted one, for exact recompute, SCR without selective recompute (K=6, tail=16) and the default "

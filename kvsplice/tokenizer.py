@@ -75,14 +75,6 @@ class Tokenizer:
         return self.backend.bos_token_id
 
     @property
-    def special_ids(self) -> frozenset[int]:
-        """The ids of the special tokens (BOS, EOS and the chat template's markers such as
-        `<|im_start|>`): where a chat's messages begin and end."""
-        if isinstance(self.backend, Llama2cBPE):
-            return frozenset((LLAMA2C_BOS_ID, LLAMA2C_EOS_ID))
-        return frozenset(self.backend.all_special_ids)
-
-    @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer can produce (base vocabulary plus added tokens)."""
         return self.backend.vocab_size if isinstance(self.backend, Llama2cBPE) else len(self.backend)

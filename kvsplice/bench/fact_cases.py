@@ -217,21 +217,22 @@ def _mean(rows, key: str) -> str:
     return f"{sum(getattr(r, key) for r in rows) / len(rows):.3f}" if rows else "-"
 
 
-def fact_settings(default, seams: Sequence[int] = (), per_removed: Sequence[float] = ()) -> list:
+def fact_settings(default, seams: Sequence[int] = (), removed_seams: Sequence[int] = ()) -> list:
     """The settings of the fact task: SCR without selective recompute (K=6, tail=16), the server
     default `default` (a ReuseConfig), K=6, tail=16 with each seam length of `seams`, and the
-    default's seams with each further share per removed token of `per_removed`."""
+    default's seams with each longer seam of `removed_seams` after removed text."""
     from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Setting
 
-    removed = f" +{default.seam_per_removed:g}/removed" if default.seam_per_removed else ""
+    removed = f", {default.removed_seam_tokens} after removed" if default.removed_seam_tokens else ""
     return ([Setting(f"K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL),
              Setting(f"default (seams {default.seam_tokens}{removed}, {default.recompute_policy} {default.recompute:g})",
                      default.max_spans, default.tail, recompute=default.recompute, policy=default.recompute_policy,
                      score_layers=default.score_layers, seam_tokens=default.seam_tokens,
-                     seam_per_removed=default.seam_per_removed)]
+                     removed_seam_tokens=default.removed_seam_tokens)]
             + [Setting(f"seams {n}", BASE_K, BASE_TAIL, seam_tokens=n) for n in seams]
-            + [Setting(f"seams {default.seam_tokens} +{share:g}/removed", BASE_K, BASE_TAIL,
-                       seam_tokens=default.seam_tokens, seam_per_removed=share) for share in per_removed if share > 0])
+            + [Setting(f"seams {default.seam_tokens}, {r} after removed", BASE_K, BASE_TAIL,
+                       seam_tokens=default.seam_tokens, removed_seam_tokens=r)
+               for r in removed_seams if r > default.seam_tokens])
 
 
 def select_facts(facts: Sequence[FactCase], names: Optional[Sequence[str]]) -> list[FactCase]:
@@ -261,7 +262,7 @@ def facts_main(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    settings = fact_settings(ReuseConfig(), args.fact_seams, args.seam_per_removed)
+    settings = fact_settings(ReuseConfig(), args.fact_seams, args.removed_seams)
     harness = Harness(args.model, gen_tokens=1)
     started = time.perf_counter()
     results = run_facts(harness, settings, facts)

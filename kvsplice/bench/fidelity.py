@@ -70,8 +70,8 @@ NO_NAMESPACE = Namespace(None, None)  # the harness's requests carry no owner an
 @dataclass(frozen=True)
 class Setting:
     """One SCR configuration under test. max_spans == 0 means SCR off (plain prefix caching).
-    `seam_tokens`, `seam_per_removed`, `recompute`, `policy`, `score_layers`: selective recompute
-    (always sent, so a server default never leaks into a setting)."""
+    `seam_tokens`, `removed_seam_tokens`, `recompute`, `policy`, `score_layers`: selective
+    recompute (always sent, so a server default never leaks into a setting)."""
 
     label: str
     max_spans: int
@@ -81,17 +81,14 @@ class Setting:
     policy: str = "heads"
     score_layers: int = 1
     seam_tokens: int = 0
-    seam_per_removed: float = 0.0
     removed_seam_tokens: int = 0
-    boundary_tokens: int = 0
 
     def request_scr(self) -> str | dict:
         """The per-request `scr` field for this setting ("off" when K == 0)."""
         if self.max_spans == 0:
             return "off"
         return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate,
-                "seam_tokens": self.seam_tokens, "seam_per_removed": self.seam_per_removed,
-                "removed_seam_tokens": self.removed_seam_tokens, "boundary_tokens": self.boundary_tokens,
+                "seam_tokens": self.seam_tokens, "removed_seam_tokens": self.removed_seam_tokens,
                 "recompute": self.recompute, "recompute_policy": self.policy,
                 "score_layers": self.score_layers}
 
@@ -136,18 +133,18 @@ def sweep_settings(ks: Sequence[int] = DEFAULT_KS, tails: Sequence[int] = DEFAUL
 def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequence[str] = ("heads",),
                    score_layers: Sequence[int] = (1,), max_spans: int = BASE_K,
                    tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = (),
-                   per_removed: Sequence[float] = ()) -> list[Setting]:
+                   removed_seams: Sequence[int] = ()) -> list[Setting]:
     """The budget sweep: SCR off, then per tail SCR without recompute, every seam length > 0 alone
-    and with every `per_removed` share > 0 (longer seams after removed text), and every policy x
-    budget > 0 x score depth (the depth only for the scoring policy)."""
+    and with every longer seam of `removed_seams` after removed text, and every policy x budget > 0
+    x score depth (the depth only for the scoring policy)."""
     settings = [Setting("scr off", 0, tails[0])]
     for tail in tails:
         suffix = f" tail={tail}" if len(tails) > 1 else ""
         settings.append(Setting(f"K={max_spans} tail={tail}", max_spans, tail))
         for n in (n for n in seams if n > 0):
             settings.append(Setting(f"seams {n}{suffix}", max_spans, tail, seam_tokens=n))
-            settings += [Setting(f"seams {n} +{share:g}/removed{suffix}", max_spans, tail, seam_tokens=n,
-                                 seam_per_removed=share) for share in per_removed if share > 0]
+            settings += [Setting(f"seams {n}, {r} after removed{suffix}", max_spans, tail, seam_tokens=n,
+                                 removed_seam_tokens=r) for r in removed_seams if r > n]
         for policy in policies:
             depths = score_layers if policy == "deviation" else (1,)
             for budget in (b for b in budgets if b > 0):
@@ -458,9 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="selective-recompute shares to sweep at K=6, tail=16 (0: none)")
     parser.add_argument("--seams", type=_number_list(int), default=list(DEFAULT_SEAMS),
                         help="seam lengths to sweep: tokens recomputed at the start of every relocated span")
-    parser.add_argument("--seam-per-removed", type=_number_list(float), default=[],
-                        help="with every seam length, also sweep these further seam tokens per old token "
-                             "removed right before a span (0 to 1)")
+    parser.add_argument("--removed-seams", type=_number_list(int), default=[],
+                        help="with every seam length, also sweep these longer seams for spans that follow "
+                             "removed (deleted or replaced) text")
     parser.add_argument("--policies", type=_name_list, default=list(DEFAULT_POLICIES),
                         help=f"recompute policies to sweep ({', '.join(RECOMPUTE_POLICIES)})")
     parser.add_argument("--score-layers", type=_number_list(int), default=[1],
@@ -495,14 +492,14 @@ def select_cases(cases: list[EditCase], names: Optional[list[str]], max_cases: O
 def _check_args(args) -> Optional[str]:
     if args.gen_tokens < 1 or 0 in (args.tails or []) or 0 in args.front_tails:
         return "--gen-tokens and every tail must be >= 1"
-    if any(b > 1 for b in args.budgets + args.seam_per_removed) or not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
-        return "every budget, --seam-per-removed and --max-share must lie in [0, 1], --kl-target in (0, 10)"
+    if any(b > 1 for b in args.budgets) or not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
+        return "every budget and --max-share must lie in [0, 1], --kl-target in (0, 10)"
     bad = [p for p in args.policies if p not in RECOMPUTE_POLICIES]
     if bad:
         return f"unknown policy {bad[0]!r}; expected some of {', '.join(RECOMPUTE_POLICIES)}"
     if any(not 1 <= d <= 8 for d in args.score_layers) or (args.max_cases is not None and args.max_cases < 1):
         return "--score-layers must lie in [1, 8] and --max-cases be >= 1"
-    if any(n > 4096 for n in args.seams + args.fact_seams):
+    if any(n > 4096 for n in args.seams + args.fact_seams + args.removed_seams):
         return "every seam length must lie in [0, 4096]"
     return None
 
@@ -539,7 +536,7 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
     front = front_settings(args.budgets, args.policies, args.score_layers, tails=args.front_tails, seams=args.seams,
-                           per_removed=args.seam_per_removed)
+                           removed_seams=args.removed_seams)
     settings += [st for st in front if st.label not in {s.label for s in settings}]
     harness = Harness(args.model, gen_tokens=args.gen_tokens)
     started = time.perf_counter()

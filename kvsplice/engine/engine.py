@@ -104,7 +104,7 @@ class Engine:
         self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints())
         self.failpoints = failpoints
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
-                                  failpoints=failpoints, special_ids=tokenizer.special_ids)
+                                  failpoints=failpoints)
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
         self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
         self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)

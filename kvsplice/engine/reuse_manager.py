@@ -66,8 +66,8 @@ from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
 from kvsplice.reuse.diff import EqualRun, diff_tokens
 from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, boundary_offsets, kv_deviation, recompute_count,
-                                      scoring_pass, seam_offsets)
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, scoring_pass,
+                                      seam_offsets)
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -117,9 +117,8 @@ class ScrRequest:
 
 class ReuseManager:
     def __init__(self, cache: CacheManager, model_config: ModelConfig, config: ReuseConfig,
-                 rotary=None, failpoints=None, special_ids: frozenset[int] = frozenset()):
+                 rotary=None, failpoints=None):
         self.cache = cache
-        self.special_ids = special_ids   # the tokenizer's special tokens: message boundaries
         self.failpoints = failpoints   # tests: kvsplice.engine.failpoints.Failpoints, or None
         self.model_config = model_config
         self.config = config
@@ -136,7 +135,7 @@ class ReuseManager:
         field, by a "kvreuse:off" salt, or because the prefix cache is off). Raises ValueError
         for a malformed `scr` field."""
         cfg = parse_request_override(scr, cache_salt, self.config)
-        asked = [key for key in ("recompute", "seam_tokens", "removed_seam_tokens", "seam_per_removed", "boundary_tokens") if isinstance(scr, dict) and scr.get(key, 0)]
+        asked = [key for key in ("recompute", "seam_tokens", "removed_seam_tokens") if isinstance(scr, dict) and scr.get(key, 0)]
         if asked and self.cache.states is not None:
             raise SettingError(f"scr.{asked[0]}: selective recompute needs a model whose every layer is "
                                "attention, and this one is a hybrid", f"scr.{asked[0]}")
@@ -312,9 +311,7 @@ class ReuseManager:
         if self.cache.states is not None:
             return 0
         count = recompute_count(scr.plan, cfg.recompute)   # a share of all relocated tokens
-        seams = seam_offsets(scr.plan, cfg.seam_tokens, cfg.seam_per_removed, cfg.removed_seam_tokens)
-        seams = sorted(set(seams) | set(boundary_offsets(scr.plan, req.prompt_ids, self.special_ids,
-                                                          cfg.boundary_tokens)))
+        seams = seam_offsets(scr.plan, cfg.seam_tokens, cfg.removed_seam_tokens)
         if seams:
             self._apply_recompute(req, scr, seams)
         count = min(count, scr.plan.relocated_tokens)

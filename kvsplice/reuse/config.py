@@ -53,13 +53,10 @@ class ReuseConfig:
     # selective recompute (kvsplice.reuse.recompute): tokens computed again in every layer after
     # relocation: the first `seam_tokens` of every relocated span, and a `recompute` share of the
     # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
-    # through the first `score_layers` layers); `seam_per_removed` lengthens the seam of a span
-    # that directly follows removed (deleted or replaced) old text by that many tokens per
-    # removed token
+    # through the first `score_layers` layers); a span that directly follows removed (deleted or
+    # replaced) old text gets a seam of `removed_seam_tokens` instead, when that is longer
     seam_tokens: int = 16
     removed_seam_tokens: int = 0
-    seam_per_removed: float = 0.0
-    boundary_tokens: int = 0
     recompute: float = 0.0
     recompute_policy: str = "heads"
     score_layers: int = 1
@@ -143,8 +140,6 @@ FIELD_TYPES: dict[str, type] = {
     "checkpoint_max_states": int,
     "seam_tokens": int,
     "removed_seam_tokens": int,
-    "seam_per_removed": float,
-    "boundary_tokens": int,
     "recompute": float,
     "recompute_policy": str,
     "score_layers": int,
@@ -176,7 +171,6 @@ _INT_RANGE = {
     "checkpoint_max_states": (0, 1 << 20),
     "seam_tokens": (0, 4096),
     "removed_seam_tokens": (0, 4096),
-    "boundary_tokens": (0, 64),
     "score_layers": (1, 8),
 }
 _FLOAT_RANGE = (0.0, 1.0)
@@ -310,12 +304,6 @@ ENV_TABLE: tuple[EnvVar, ...] = (
     EnvVar("KVREUSE_REMOVED_SEAM_TOKENS", "removed_seam_tokens", parse_int, "--scr-removed-seam-tokens",
            "seam of a relocated span that follows removed (deleted or replaced) old text, when longer "
            "than --scr-seam-tokens (attention-only models)"),
-    EnvVar("KVREUSE_SEAM_PER_REMOVED", "seam_per_removed", parse_float, "--scr-seam-per-removed",
-           "further seam tokens per old token removed (deleted or replaced) right before a relocated span "
-           "(0 to 1; attention-only models)"),
-    EnvVar("KVREUSE_BOUNDARY_TOKENS", "boundary_tokens", parse_int, "--scr-boundary-tokens",
-           "tokens recomputed at every special token (message boundary) inside a relocated span, "
-           "from it on (0 to 64; 0: none; attention-only models)"),
     EnvVar("KVREUSE_RECOMPUTE", "recompute", parse_float, "--scr-recompute",
            "share of relocated tokens recomputed in every layer, chosen by recompute_policy (0: none; "
            "attention-only models)"),
@@ -334,7 +322,7 @@ RETIRED_ENV: dict[str, str] = {
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode", "seam_tokens", "removed_seam_tokens", "seam_per_removed", "boundary_tokens", "recompute", "recompute_policy", "score_layers"})
+                            "state_mode", "seam_tokens", "removed_seam_tokens", "recompute", "recompute_policy", "score_layers"})
 
 SALT_OFF = "kvreuse:off"
 

@@ -141,40 +141,20 @@ def _heads(plan: SpanPlan, count: int) -> list[int]:
     return sorted(chosen)
 
 
-def seam_lengths(plan: SpanPlan, tokens: int, per_removed: float = 0.0, after_removed: int = 0) -> list[int]:
-    """Per keep, its seam: `tokens` (`max(tokens, after_removed)` when old text was removed right
-    before it, `plan.removed`) plus `per_removed` per removed token (rounded half up), at most the
-    whole span. A span after removed text saw that
-    text in every relocated position, not only at its seam (docs/BENCHMARKS.md, the fresh cases)."""
+def seam_lengths(plan: SpanPlan, tokens: int, after_removed: int = 0) -> list[int]:
+    """Per keep, its seam: `tokens`, or `max(tokens, after_removed)` when old text was removed
+    right before it (`plan.removed`), at most the whole span. A span after removed text saw that
+    text; measured on the default model, what carries it to later positions lies in the first
+    hundred or two tokens after the seam (docs/BENCHMARKS.md, the fresh cases)."""
     removed = plan.removed or (0,) * len(plan.keeps)
-    return [min(keep.length, (max(tokens, after_removed) if gone else tokens) + math.floor(per_removed * gone + 0.5))
+    return [min(keep.length, max(tokens, after_removed) if gone else tokens)
             for keep, gone in zip(plan.keeps, removed)]
 
 
-def seam_offsets(plan: SpanPlan, tokens: int, per_removed: float = 0.0, after_removed: int = 0) -> list[int]:
+def seam_offsets(plan: SpanPlan, tokens: int, after_removed: int = 0) -> list[int]:
     """The first `seam_lengths` offsets of every relocated span, increasing."""
-    return [o for keep, length in zip(plan.keeps, seam_lengths(plan, tokens, per_removed, after_removed))
+    return [o for keep, length in zip(plan.keeps, seam_lengths(plan, tokens, after_removed))
             for o in range(keep.dst_pos, keep.dst_pos + length)]
-
-
-def boundary_offsets(plan: SpanPlan, prompt_ids: Sequence[int], special_ids: frozenset[int],
-                     tokens: int) -> list[int]:
-    """Relocated offsets of every special token (`special_ids`: the chat template's message
-    markers) inside a relocated span and of the `tokens - 1` tokens after it within the span
-    (the role header), increasing; none when `tokens` is 0. A message boundary's deep K/V sum up
-    the context before it, so after an edit they carry what the edit removed to every later
-    position that attends to them (docs/BENCHMARKS.md, the fresh cases)."""
-    if tokens == 0 or not special_ids:
-        return []
-    chosen = []
-    for keep in plan.keeps:
-        until = keep.dst_pos
-        for offset in range(keep.dst_pos, keep.dst_end):
-            if prompt_ids[offset] in special_ids:
-                until = max(until, offset + tokens)
-            if offset < until:
-                chosen.append(offset)
-    return chosen
 
 
 POLICIES: dict[str, Policy] = {

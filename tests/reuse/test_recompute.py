@@ -7,7 +7,7 @@ import torch
 
 from kvsplice.reuse.plan import Keep, SpanPlan
 from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, relocated_offsets,
-                                      scoring_pass, seam_lengths, seam_offsets, boundary_offsets)
+                                      scoring_pass, seam_lengths, seam_offsets)
 
 PLAN = SpanPlan(200, 10, (Keep(30, 20, 40), Keep(100, 80, 60)), tail=8)
 
@@ -72,35 +72,13 @@ def test_heads_share_the_count_out_over_the_spans_and_seams_take_a_fixed_head():
     assert relocated_offsets(partly)[:2] == [21, 22]
 
 
-def test_seams_after_removed_text_grow_with_what_was_removed():
-    """seam_per_removed lengthens only the seams of spans that follow removed old text, rounded
-    half up, never past the span; without removal counts the seams are the fixed ones."""
+def test_a_longer_seam_after_removed_text_replaces_the_short_one_only_there():
+    """removed_seam_tokens: spans that follow removed old text get the longer seam, never past
+    their end; spans after inserted text only, and plans without removal counts, keep the fixed one."""
     removed = dataclasses.replace(PLAN, removed=(0, 30))
-    assert seam_lengths(removed, 3, 0.5) == [3, 18]
-    assert seam_lengths(removed, 3, 0.05) == [3, 5]            # 1.5 rounds up to 2
-    assert seam_lengths(removed, 3, 0.0) == seam_lengths(PLAN, 3, 0.5) == [3, 3]
-    assert seam_lengths(dataclasses.replace(PLAN, removed=(200, 500)), 3, 1.0) == [40, 60]
-    assert seam_offsets(removed, 2, 0.1) == [20, 21, 80, 81, 82, 83, 84]
-
-
-def test_a_fixed_seam_after_removed_text_replaces_the_short_one_only_there():
-    removed = dataclasses.replace(PLAN, removed=(0, 30))
-    assert seam_lengths(removed, 3, after_removed=10) == [3, 10]
-    assert seam_lengths(removed, 12, after_removed=10) == [12, 12]       # never shorter than seam_tokens
-    assert seam_lengths(removed, 3, 0.5, after_removed=10) == [3, 25]    # the share comes on top
-    assert seam_lengths(removed, 3, after_removed=100) == [3, 60]        # at most the span
-    assert seam_lengths(PLAN, 3, after_removed=10) == [3, 3]             # removal unknown: fixed seams
-
-
-def test_boundaries_are_the_special_tokens_inside_spans_and_their_headers():
-    """boundary_offsets: every special token inside a relocated span and the tokens - 1 after it,
-    cut at the span's end; special tokens outside the spans (computed anyway) are not chosen."""
-    prompt = [7] * 200
-    for offset in (5, 25, 58, 90, 150):     # 5: before the spans; 150: after them
-        prompt[offset] = 1
-    special = frozenset({1, 2})
-    assert boundary_offsets(PLAN, prompt, special, 1) == [25, 58, 90]
-    assert boundary_offsets(PLAN, prompt, special, 3) == [25, 26, 27, 58, 59, 90, 91, 92]   # span 1 ends at 60
-    assert boundary_offsets(PLAN, prompt, special, 0) == [] == boundary_offsets(PLAN, prompt, frozenset(), 3)
-    prompt[26] = 2                          # overlapping headers are chosen once
-    assert boundary_offsets(PLAN, prompt, special, 3) == [25, 26, 27, 28, 58, 59, 90, 91, 92]
+    assert seam_lengths(removed, 3, 10) == [3, 10]
+    assert seam_lengths(removed, 12, 10) == [12, 12]       # never shorter than seam_tokens
+    assert seam_lengths(removed, 3, 100) == [3, 60]        # at most the span
+    assert seam_lengths(PLAN, 3, 10) == [3, 3]             # removal unknown: fixed seams
+    assert seam_lengths(dataclasses.replace(PLAN, removed=(1, 0)), 3, 10) == [10, 3]
+    assert seam_offsets(removed, 2, 5) == [20, 21, 80, 81, 82, 83, 84]
