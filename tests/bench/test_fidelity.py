@@ -186,6 +186,10 @@ def test_fact_settings_and_question_selection(capsys):
     settings = fact_settings(ReuseConfig(seam_tokens=16), [32, 64])
     assert [s.label for s in settings] == ["K=6 tail=16", "default (seams 16, heads 0)", "seams 32", "seams 64"]
     assert [s.seam_tokens for s in settings] == [0, 16, 32, 64] and {s.max_spans for s in settings} == {6}
+    longer = fact_settings(ReuseConfig(seam_tokens=16), [], [128, 8])     # 8 is no longer seam: skipped
+    assert [s.label for s in longer][2:] == ["seams 16, 128 after removed"]
+    assert (longer[2].seam_tokens, longer[2].removed_seam_tokens) == (16, 128)
+    assert longer[2].request_scr()["removed_seam_tokens"] == 128
     facts = fact_cases(per_kind=2)
     assert [f.case.name for f in select_facts(facts, ["keep-1", "delete_result-0"])] == ["delete_result-0", "keep-1"]
     assert select_facts(facts, None) == facts
@@ -202,6 +206,16 @@ def _shorter(case):
         return tuple({**m, "content": " ".join(m["content"].split(" ")[:60])} if m["role"] == "tool" else m
                      for m in messages)
     return dataclasses.replace(case, turn1=cut(case.turn1), turn2=cut(case.turn2))
+
+
+def test_front_settings_pair_every_seam_with_every_longer_removed_seam():
+    from kvsplice.bench.fidelity import front_settings
+    settings = front_settings([0.02], ["heads"], seams=[16, 32], removed_seams=[128, 16])
+    labels = [s.label for s in settings]
+    assert labels == ["scr off", "K=6 tail=16", "seams 16", "seams 16, 128 after removed", "seams 32",
+                      "seams 32, 128 after removed", "heads 0.02"]
+    assert [s.removed_seam_tokens for s in settings] == [0, 0, 0, 128, 0, 128, 0]
+    assert fidelity_main(["--removed-seams", "5000"]) == 2
 
 
 def test_front_marks_the_pareto_settings_and_chooses_the_best_within_the_budget():
