@@ -109,29 +109,33 @@ BENCHMARKS = (
               "mean KL <= 0.0015 nats with at most 8% of the prompt computed, worst case <= 0.03."),
     Benchmark("fidelity_fresh", "Selective recompute on fresh workload cases", "fidelity guard",
               f"kvsplice fidelity --workload-seed 11 --case {FRESH_CASES} "
-              "--seams 16,32 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
-              "--out runs/fidelity_fresh",
+              "--seams 16,32 --budgets 0 --front-tails 16 --gen-tokens 4 --out runs/fidelity_fresh",
               "Cases drawn from the workload generator with a seed no setting was tuned on: the 17 of its 28 cases "
               "whose edit leaves content after it to relocate (the other 11 edit the last message before the new "
               "question), with a question about the removed result after every deletion or replacement. SCR "
               "without selective recompute, the default setting, twice its seams, and the fp8 K/V anchors. Same "
               "targets as the front."),
+    Benchmark("fidelity_removed", "Longer seams after removed text", "fidelity guard",
+              f"kvsplice fidelity --workload-seed 11 --case {FRESH_CASES} "
+              "--seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 --no-anchor "
+              "--out runs/fidelity_removed",
+              "The fresh cases of the previous section: the default setting, and the default with a longer seam "
+              "(128 or 256 tokens) for every relocated span that directly follows removed (deleted or replaced) "
+              "text (`--scr-removed-seam-tokens`); spans after inserted text only keep the 16-token seam."),
+    Benchmark("fidelity_removed_builtin", "Longer seams after removed text on the built-in cases", "fidelity guard",
+              "kvsplice fidelity --seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
+              "--no-anchor --out runs/fidelity_removed_builtin",
+              "The same settings on the built-in edit cases of the front."),
     Benchmark("fidelity_validation", "Selective recompute on validation workload cases", "fidelity guard",
               f"kvsplice fidelity --workload-seed 23 --case {VALIDATION_CASES} "
-              "--seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
+              "--seams 16 --removed-seams 256 --budgets 0 --front-tails 16 --gen-tokens 4 --no-anchor "
               "--out runs/fidelity_validation",
-              "A second fresh set, drawn with another seed and chosen by the same rule (the 17 of its cases whose "
-              "edit leaves content after it to relocate), that no setting was chosen on: SCR without selective "
-              "recompute, the default setting, the default with longer seams after removed text, and the fp8 K/V "
-              "anchors. Same targets as the front."),
-    Benchmark("fidelity_removed", "Longer seams after removed text on the built-in cases", "fidelity guard",
-              "kvsplice fidelity --seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
-              "--no-anchor --out runs/fidelity_removed",
-              "The built-in edit cases with the default model: the default setting, and the default with a longer "
-              "seam (128 or 256 tokens) for every relocated span that directly follows removed (deleted or "
-              "replaced) text; spans after inserted text only keep the 16-token seam."),
+              "A second fresh set that no setting was chosen on, drawn with another seed and selected by the same "
+              "rule (the 17 of its 28 cases whose edit leaves content after it to relocate): SCR without selective "
+              "recompute, the default setting, and the default with 256-token seams after removed text. Same "
+              "targets as the front."),
     Benchmark("fidelity_facts", "Fact tracking: current, stale and deleted facts", "fidelity guard",
-              "kvsplice fidelity --task facts --removed-seams 128,256 --out runs/fidelity_facts",
+              "kvsplice fidelity --task facts --out runs/fidelity_facts",
               "Agent transcripts with one passphrase planted in a tool result or in the notes, then updated, deleted "
               "or kept, then asked for: how often the answer follows the current value and how often the stale or "
               "deleted one, for exact recompute, SCR without selective recompute (K=6, tail=16) and the default "
