@@ -115,25 +115,15 @@ BENCHMARKS = (
               "question), with a question about the removed result after every deletion or replacement. SCR "
               "without selective recompute, the default setting, twice its seams, and the fp8 K/V anchors. Same "
               "targets as the front."),
-    Benchmark("fidelity_removed", "Longer seams after removed text", "fidelity guard",
-              f"kvsplice fidelity --workload-seed 11 --case {FRESH_CASES} "
-              "--seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 --no-anchor "
-              "--out runs/fidelity_removed",
-              "The fresh cases of the previous section: the default setting, and the default with a longer seam "
-              "(128 or 256 tokens) for every relocated span that directly follows removed (deleted or replaced) "
-              "text (`--scr-removed-seam-tokens`); spans after inserted text only keep the 16-token seam."),
-    Benchmark("fidelity_removed_builtin", "Longer seams after removed text on the built-in cases", "fidelity guard",
-              "kvsplice fidelity --seams 16 --removed-seams 128,256 --budgets 0 --front-tails 16 --gen-tokens 4 "
-              "--no-anchor --out runs/fidelity_removed_builtin",
-              "The same settings on the built-in edit cases of the front."),
     Benchmark("fidelity_validation", "Selective recompute on validation workload cases", "fidelity guard",
               f"kvsplice fidelity --workload-seed 23 --case {VALIDATION_CASES} "
               "--seams 16 --removed-seams 256 --budgets 0 --front-tails 16 --gen-tokens 4 --no-anchor "
               "--out runs/fidelity_validation",
               "A second fresh set that no setting was chosen on, drawn with another seed and selected by the same "
               "rule (the 17 of its 28 cases whose edit leaves content after it to relocate): SCR without selective "
-              "recompute, the default setting, and the default with 256-token seams after removed text. Same "
-              "targets as the front."),
+              "recompute, the default setting, and the default with 256-token seams for the relocated spans that "
+              "directly follow removed (deleted or replaced) text (`--scr-removed-seam-tokens 256`; spans after "
+              "inserted text only keep the 16-token seam). Same targets as the front."),
     Benchmark("fidelity_facts", "Fact tracking: current, stale and deleted facts", "fidelity guard",
               "kvsplice fidelity --task facts --out runs/fidelity_facts",
               "Agent transcripts with one passphrase planted in a tool result or in the notes, then updated, deleted "
