@@ -154,7 +154,9 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.fast is not None:
-            return self.fast.forward(batch, self.pool, self.arena)
+            hidden = self.fast.final_hidden(batch, self.pool, self.arena)
+            self.threads.apply_head()
+            return self.fast.logits(hidden)
         if self.states is None:
             return self.model(batch, self.pool).float()
         return self.model(batch, self.pool, self.states).float()

@@ -148,6 +148,10 @@ class FastDecoder:
         """Same contract as `Decoder.forward` (fp32 logits of `batch.logit_rows`; writes every
         token's K/V into `pool`), plus: the `batch.arena_rows` leading decode rows attend over
         `arena` rows 0..arena_rows-1 and their K/V is also written there."""
+        return self.logits(self.final_hidden(batch, pool, arena))
+
+    def final_hidden(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None) -> torch.Tensor:
+        """`forward` up to the lm_head: the final-normed hidden states of `batch.logit_rows`."""
         if pool.k.dtype != self.embed.dtype:
             raise ValueError(f"the pool holds {pool.k.dtype}, the model computes in {self.embed.dtype}")
         hidden = F.embedding(batch.input_ids, self.embed)
@@ -155,7 +159,10 @@ class FastDecoder:
         decode = self._decode_step(batch, arena)
         for layer_id, layer in enumerate(self.layers):
             hidden = self._layer(layer_id, layer, hidden, cos, sin_signed, batch, pool, arena, decode)
-        hidden = rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
+        return rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of `final_hidden`'s rows (the lm_head)."""
         return self.lm_head(hidden).float()
 
     @staticmethod

@@ -36,14 +36,15 @@ def test_engine_runs_decode_steps_on_decode_threads(tmp_path, two_threads):
     seen = []
     while engine.has_work():
         engine.step()
-        seen.append(torch.get_num_threads())
+        seen.append(engine.runner.threads.step_threads)
     assert seen[0] == 2 and set(seen[1:]) == {1}, seen    # the prefill step, then decode-only steps
     engine.add_request(list(range(50, 90)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.step()
-    assert torch.get_num_threads() == 2                  # a prefill step gets every thread back
+    assert engine.runner.threads.step_threads == 2       # a prefill step gets every thread back
     engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=2, temperature=0.0))
     engine.step()                                        # the first one's decode row + the new prefill
-    assert torch.get_num_threads() == 1
+    assert engine.runner.threads.step_threads == 1
+    assert torch.get_num_threads() == 2                  # the lm_head ran last, on every thread
 
 
 def test_decode_threads_are_checked_and_the_cli_default_leaves_a_core(two_threads):
