@@ -5,6 +5,8 @@ lets a request replace another conversation's K/V; every miss says why."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -130,4 +132,6 @@ def test_reusing_an_id_for_a_new_conversation_gets_a_session_of_its_own(llm):
 def test_minted_session_ids_are_unguessable(llm):
     minted = [session.session_id for session in llm.engine.reuse.sessions.sessions() if not session.named]
     assert len(minted) >= 10 and len(set(minted)) == len(minted)
-    assert all(len(sid) >= 22 and not sid.startswith("s0") for sid in minted)  # 16 random bytes
+    # 16 random bytes (22 url-safe characters), not the old sequential "s000001" form (a random id
+    # may well start with "s0": only the whole sequential pattern is refused)
+    assert all(len(sid) >= 22 and not re.fullmatch(r"s\d+", sid) for sid in minted)
