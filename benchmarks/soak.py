@@ -223,6 +223,12 @@ def idle_report(url: str, timeout_s: float = 60.0) -> dict[str, Any]:
             "slots_free_after_flush": int(after["kvsplice_kv_slots_free"])}
 
 
+def memory_sample(url: str, pid: int, seconds: float, requests: int) -> list[float]:
+    """[seconds, requests so far, RSS MiB, decode arena MiB (from /metrics)] of the server now."""
+    arena_mb = gauges(url).get("kvsplice_decode_arena_bytes", 0.0) / 2**20
+    return [round(seconds, 1), requests, round(rss_mb(pid), 1), round(arena_mb, 1)]
+
+
 async def run_traffic(url: str, pid: int, traces: list[Conversation], args) -> tuple[Tally, dict[str, float]]:
     """All clients until `args.duration` s have passed; RSS sampled after the warm-up."""
     tally, rss = Tally(), {}
@@ -230,9 +236,7 @@ async def run_traffic(url: str, pid: int, traces: list[Conversation], args) -> t
     deadline = start + args.duration
 
     async def sample() -> list[float]:
-        """[seconds, requests so far, RSS MiB, decode arena MiB] now."""
-        arena = (await asyncio.to_thread(gauges, url)).get("kvsplice_decode_arena_bytes", 0.0) / 2**20
-        return [round(time.monotonic() - start, 1), tally.total, round(rss_mb(pid), 1), round(arena, 1)]
+        return await asyncio.to_thread(memory_sample, url, pid, time.monotonic() - start, tally.total)
 
     async def sample_after_warmup() -> None:
         """The baseline after the warm-up, then nine more samples evenly spaced (rss["timeline"]), so
@@ -247,7 +251,7 @@ async def run_traffic(url: str, pid: int, traces: list[Conversation], args) -> t
 
     warmup = asyncio.create_task(sample_after_warmup())
     await asyncio.gather(*(_client(url, c, traces, deadline, args.seed, tally) for c in range(args.clients)))
-    warmup.cancel()  # (a run shorter than its warm-up: growth is measured from the start)
+    warmup.cancel()  # (a run shorter than its warm-up has no "warm" sample: growth is then from the start)
     rss["elapsed_s"] = time.monotonic() - start
     return tally, rss
 
@@ -261,7 +265,8 @@ def late_growth(timeline: list[list[float]]) -> Optional[float]:
     it shows here. None with fewer than MIN_REQUESTS_FOR_GROWTH requests in that half."""
     if len(timeline) < 2:
         return None
-    (_, mid_requests, mid_mb, mid_arena), (_, end_requests, end_mb, end_arena) = timeline[len(timeline) // 2], timeline[-1]
+    _, mid_requests, mid_mb, mid_arena = timeline[len(timeline) // 2]
+    _, end_requests, end_mb, end_arena = timeline[-1]
     if end_requests - mid_requests < MIN_REQUESTS_FOR_GROWTH:
         return None
     return ((end_mb - end_arena) - (mid_mb - mid_arena)) / (end_requests - mid_requests) * 1000
@@ -285,8 +290,7 @@ def verdict(tally: Tally, rss: dict[str, float], idle: dict[str, Any], alive: bo
     growth = rss.get("late_growth_mb_per_1k", rss.get("growth_mb_per_1k", 0.0))
     if growth > max_growth_mb:
         reasons.append(f"RSS net of the decode arena grew {growth:.1f} MiB per 1,000 requests in the second half "
-                       "of the run "
-                       f"(limit {max_growth_mb})")
+                       f"of the run (limit {max_growth_mb})")
     return reasons
 
 
@@ -295,6 +299,13 @@ def _growth(rss: dict[str, float]) -> str:
         return (f"n/a ({rss['requests_after_warmup']} requests after the warm-up, fewer than "
                 f"{MIN_REQUESTS_FOR_GROWTH})")
     return f"{rss['growth_mb_per_1k']:.2f} MiB per 1,000 requests ({rss['requests_after_warmup']} requests)"
+
+
+def _late(rss: dict[str, Any]) -> str:
+    late = (f"{rss['late_growth_mb_per_1k']:.2f} MiB per 1,000 requests" if "late_growth_mb_per_1k" in rss
+            else "n/a (too few requests)")
+    peak = max((mb for _, _, mb, _ in rss.get("timeline", [])), default=rss["end"])
+    return f"{late}; peak of the samples {peak:.0f} MiB"
 
 
 def report(tally: Tally, rss: dict[str, float], idle: dict[str, Any], reasons: list[str], args, model: str) -> str:
@@ -306,9 +317,7 @@ def report(tally: Tally, rss: dict[str, float], idle: dict[str, Any], reasons: l
               f"RSS MiB: start {rss['start']:.1f}, after warm-up ({args.warmup:.0f} s, {rss['warm_requests']} "
               f"requests) {rss['warm']:.1f}, end {rss['end']:.1f} (after /flush_cache {rss['after_flush']:.1f}); "
               f"growth after warm-up: {_growth(rss)}",
-              "RSS growth net of the decode arena in the second half of the run: " + (
-                  f"{rss['late_growth_mb_per_1k']:.2f} MiB per 1,000 requests" if "late_growth_mb_per_1k" in rss
-                  else "n/a (too few requests)") + f"; peak of the samples {max((m for _, _, m, _ in rss.get('timeline', [])), default=rss['end']):.0f} MiB",
+              f"RSS growth net of the decode arena in the second half of the run: {_late(rss)}",
               "RSS over time (s, requests, RSS MiB, of it decode arena MiB): "
               + ", ".join(f"{t:.0f} {n} {m:.0f} {a:.0f}" for t, n, m, a in rss.get("timeline", [])),
               f"idle: slots in use {idle.get('slots_in_use_idle')} of {idle.get('slots_total')} (idle SCR sessions' "
@@ -367,8 +376,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rss = {"start": rss_mb(server.process.pid)}
         tally, sampled = asyncio.run(run_traffic(server.url, server.process.pid, traces, args))
         sampled.setdefault("timeline", []).append(  # the last sample: when the traffic has ended
-            [round(sampled["elapsed_s"], 1), tally.total, round(rss_mb(server.process.pid), 1),
-             round(gauges(server.url).get("kvsplice_decode_arena_bytes", 0.0) / 2**20, 1)])
+            memory_sample(server.url, server.process.pid, sampled["elapsed_s"], tally.total))
         rss.update(sampled)
         rss["end"] = rss_mb(server.process.pid)
         idle = idle_report(server.url)

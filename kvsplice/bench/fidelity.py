@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload-seed", type=int, default=None,
                         help="use fresh cases from the workload generator with this seed instead")
     parser.add_argument("--workload-conversations", type=int, default=8, help="conversations to draw cases from")
-    parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated; facts task: question names, e.g. delete_result-0)")
+    parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated; facts task: question names, "
+                             "e.g. delete_result-0)")
     parser.add_argument("--max-cases", type=int, default=None, help="at most this many cases, spread evenly")
     parser.add_argument("--out", default="fidelity_out", help="directory for results.json, results.md, PNGs")
     parser.add_argument("--k", type=_number_list(int), default=None,

@@ -135,7 +135,8 @@ class ReuseManager:
         field, by a "kvreuse:off" salt, or because the prefix cache is off). Raises ValueError
         for a malformed `scr` field."""
         cfg = parse_request_override(scr, cache_salt, self.config)
-        asked = [key for key in ("recompute", "seam_tokens", "removed_seam_tokens") if isinstance(scr, dict) and scr.get(key, 0)]
+        asked = [key for key in ("recompute", "seam_tokens", "removed_seam_tokens")
+                 if isinstance(scr, dict) and scr.get(key, 0)]
         if asked and self.cache.states is not None:
             raise SettingError(f"scr.{asked[0]}: selective recompute needs a model whose every layer is "
                                "attention, and this one is a hybrid", f"scr.{asked[0]}")

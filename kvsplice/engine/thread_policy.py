@@ -15,7 +15,8 @@ prefill chunks counts as a decoding step: its decode rows' tokens are streamed r
 it competes with the event loop the same way. Measured on 2 cores with one request decoding while
 four others prefill 2K-token prompts (the same server, alternately): mixed steps on 2 threads gave
 that stream 77 / 104 ms p50 / p99 between tokens and the four prefills a median TTFT of 24.5 s;
-on 1 thread 72 / 91 ms and 22.2 s (benchmarks/vs_llamacpp.py, "ITL while 4 prefill 2K").
+on 1 thread 72 / 91 ms and 22.2 s (the loaded-ITL phase of benchmarks/vs_llamacpp.py, run once
+per setting by a side script; the full benchmark moved from 101 to 92 ms p99 with this change).
 
     step:        prefill chunk(s) only     decode rows only      prefill + decode rows
     threads:     compute_threads           decode_threads        decode_threads

@@ -93,12 +93,6 @@ def contiguous_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return attended[:, :, 0, :]
 
 
-# In bf16 / fp16 each request's queries and context run at `shape_bucket.bucket` sizes. Measured on
-# 2 Sapphire Rapids cores: 400 random prefill shapes of the default model's attention grew a process
-# by 473 MiB causal and 387 MiB masked; bucketed, by 23 MiB and 89 MiB over 800 shapes (most of it
-# malloc's high-water mark).
-
-
 def paged_attention_reference(q: torch.Tensor, layer_id: int, batch: ForwardBatch, pool: KVPool, scale: float,
                     sliding_window: Optional[int] = None) -> torch.Tensor:
     """The readable path: each request on its own, gather its context slots, position mask, SDPA.
@@ -108,10 +102,11 @@ def paged_attention_reference(q: torch.Tensor, layer_id: int, batch: ForwardBatc
     nothing to attend to). Returns `[T, Hq, D]` in q.dtype. Reads the pool only.
     """
     out = torch.empty_like(q)
+    k_layer, v_layer = pool.k_layer(layer_id), pool.v_layer(layer_id)
     for seq in batch.seqs:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         out[rows] = _sequence_attention(q[rows], batch.positions[rows], seq.context_slots, seq.context_pos,
-                                        pool.k_layer(layer_id), pool.v_layer(layer_id), scale, sliding_window)
+                                        k_layer, v_layer, scale, sliding_window)
     return out
 
 
@@ -126,6 +121,9 @@ def _sequence_attention(q: torch.Tensor, query_pos: torch.Tensor, context_slots:
         queries:  [ q_0 ... q_{Q-1} | zeros ]           see every real key, sliced off after
 
     With the plain causal mask Q == C pads to the same size, and a real row i sees only j <= i.
+    Why: measured on 2 Sapphire Rapids cores, 400 random prefill shapes of the default model's bf16
+    attention grew a process by 473 MiB causal and 387 MiB masked; bucketed, by 23 MiB and 89 MiB
+    over 800 shapes (most of it malloc's high-water mark).
     """
     query_len, context_len = q.shape[0], context_slots.numel()
     causal = sliding_window is None and _is_plain_causal(query_pos, context_pos)

@@ -322,7 +322,8 @@ RETIRED_ENV: dict[str, str] = {
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode", "seam_tokens", "removed_seam_tokens", "recompute", "recompute_policy", "score_layers"})
+                            "state_mode", "seam_tokens", "removed_seam_tokens", "recompute", "recompute_policy",
+                            "score_layers"})
 
 SALT_OFF = "kvreuse:off"
 
