@@ -60,8 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-prefill-tokens", type=int, default=None,
                        help="prefill tokens every step carries at least, so prefill always progresses (default 16)")
     group.add_argument("--decode-threads", type=_decode_threads, default="auto",
-                       help="intra-op threads of steps with decode rows: N, or auto (default: one fewer than the "
-                            "other steps get, at least 1, so tokens stream out while the next step runs)")
+                       help="intra-op threads of steps with decode rows: N, or auto (default: every thread, as the "
+                            "other steps get; a smaller N leaves cores to other work while tokens stream)")
     group.add_argument("--device", default="cpu", help="torch device (default cpu)")
     group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward")
@@ -105,14 +105,9 @@ def _decode_threads(raw: str) -> int | str:
 
 def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]):
     """EngineConfig from parsed engine flags (unset flags keep EngineConfig's defaults). ValueError if bad."""
-    import torch
-
     from kvsplice.config import EngineConfig
-    from kvsplice.engine.thread_policy import auto_decode_threads
 
-    decode_threads = args.decode_threads
-    if decode_threads == "auto":
-        decode_threads = auto_decode_threads(torch.get_num_threads())
+    decode_threads = None if args.decode_threads == "auto" else args.decode_threads
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
                               "decode_threads": decode_threads,
                               "prefix_cache": not args.no_prefix_cache, "fast_path": not args.no_fast_path,

@@ -1,4 +1,6 @@
 """AsyncEngine: drives an Engine in a background thread for asyncio callers (the HTTP server).
+The thread is a ComputeThread, ideally the one that built the Engine (see
+kvsplice.engine.compute_thread for why that matters to step time).
 
     asyncio handlers ──commands (add / abort / call)──> engine thread: drain commands, step()
                      <──RequestOutput per rid, via loop.call_soon_threadsafe──
@@ -29,6 +31,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from kvsplice.engine.compute_thread import ComputeThread
 from kvsplice.engine.engine import Engine, QueueFullError, RequestFailedError
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
@@ -44,14 +47,17 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     """`on_fatal`: called once, on the engine thread, with the exception that stopped it (set it
-    before `start()`); None: only `alive` and the streams say so."""
+    before `start()`); None: only `alive` and the streams say so. `compute`: the thread to run the
+    step loop on (the one that built `engine`; default a new one). `stop` closes it."""
 
-    def __init__(self, engine: Engine, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine: Engine, on_fatal: Callable[[BaseException], None] | None = None,
+                 compute: ComputeThread | None = None):
         self.engine = engine
         self.on_fatal = on_fatal
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._loop, name="kvsplice-engine", daemon=True)
+        self._compute = compute or ComputeThread()
+        self._loop_done: concurrent.futures.Future | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         # requests sent to the engine thread and not yet added (see `queued`); each counter is
@@ -60,16 +66,18 @@ class AsyncEngine:
         self._adds_done = 0
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop_done = self._compute.submit(self._loop)
 
     def stop(self) -> None:
         self._stopping.set()
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        if self._loop_done is not None:
+            concurrent.futures.wait([self._loop_done], timeout=10)
+        self._compute.close()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._loop_done is not None and not self._loop_done.done() and self.error is None
 
     # ----- engine thread ----------------------------------------------------------------
     def _loop(self) -> None:

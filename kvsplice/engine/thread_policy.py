@@ -1,32 +1,26 @@
 """ThreadPolicy: how many intra-op threads (torch.set_num_threads) each step's forward gets.
 
-A prefill step is compute-bound and scales with threads. A decode-only step on a small model is
-mostly per-op latency and weight reads, and in a server every token it yields is then handled
-by the HTTP event loop (detokenize, an SSE chunk, the socket write) while the next step runs. On
-a machine with few cores those two compete: when the event loop takes a core from one of the
-step's threads, every parallel op of the step waits at its barrier for the descheduled thread
-(about a scheduler slice), so the step gets slower than with one thread fewer. Measured on 2
-cores (docs/BENCHMARKS.md, "Decode threads in the server"): the streamed inter-token latency
-of one request fell from 26-28 ms at 2 threads to 21 ms at 1.
-
-So steps that carry decode rows may run on `decode_threads`, and prefill-only steps (nobody is
-waiting for a token) on `compute_threads`. A step that mixes decode rows with other requests'
-prefill chunks counts as a decoding step: its decode rows' tokens are streamed right after it, so
-it competes with the event loop the same way. Measured on 2 cores with one request decoding while
-four others prefill 2K-token prompts (the same server, alternately): mixed steps on 2 threads gave
-that stream 77 / 104 ms p50 / p99 between tokens and the four prefills a median TTFT of 24.5 s;
-on 1 thread 72 / 91 ms and 22.2 s (the loaded-ITL phase of benchmarks/vs_llamacpp.py, run once
-per setting by a side script; the full benchmark moved from 101 to 92 ms p99 with this change).
+By default every step runs on every thread (`compute_threads`). `--decode-threads N` puts steps
+that carry decode rows (alone, or next to other requests' prefill chunks, whose decode rows'
+tokens are streamed right after the step) on N threads instead, and leaves prefill-only steps on
+all of them: on a machine where the HTTP side or another process needs a core while tokens
+stream, a step whose parallel ops wait at their barriers for a descheduled thread gets slower
+than one with a thread fewer.
 
     step:        prefill chunk(s) only     decode rows only      prefill + decode rows
     threads:     compute_threads           decode_threads        decode_threads
     lm_head:     compute_threads           compute_threads       compute_threads
 
+On 2 Sapphire Rapids cores serving the default model, with the engine stepped on the thread that
+loaded it (kvsplice.engine.compute_thread), every thread is the faster setting: 13.3 ms between
+streamed tokens of one request and 272 tokens/s for 8 streams, against 17.8 ms and 195 tokens/s
+with `--decode-threads 1` (benchmarks/decode_threads.py, docs/BENCHMARKS.md). (An earlier
+measurement that favoured one thread fewer had the engine stepped on a second thread, where
+libgomp no longer lets its workers spin; the event loop itself takes about 0.3 ms per token.)
+
 The fast path's lm_head always gets every thread: one matmul bound by reading its 49,152 x 576
 weight (on the default model), which a second thread speeds up, and a single op, so a thread
-taken by the event loop costs it one wait, not one per op. Measured in the server on 2 cores
-(alternating, twice): 17.0-17.3 ms between streamed tokens instead of 20.0-20.2 ms, 8 streams 186-188
-instead of 163-170 tokens/s.
+taken by another process costs it one wait, not one per op.
 """
 
 from __future__ import annotations
@@ -35,12 +29,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-
-def auto_decode_threads(compute_threads: int) -> int:
-    """The server's default: one thread fewer than the other steps get, at least one (the
-    event loop's core)."""
-    return max(1, compute_threads - 1)
 
 
 @dataclass

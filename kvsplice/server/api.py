@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvsplice import __version__
 from kvsplice.cache.checkpoint_policy import check_message_offsets
 from kvsplice.engine.async_engine import AsyncEngine, EngineDeadError
+from kvsplice.engine.compute_thread import ComputeThread
 from kvsplice.engine.engine import QueueFullError, RequestFailedError
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
@@ -118,9 +119,9 @@ class ServerSettings:
 class ServerState:
     """What handlers share: the engine, its async driver, settings, metrics and the request log."""
 
-    def __init__(self, engine, settings: ServerSettings, log: RequestLog):
+    def __init__(self, engine, settings: ServerSettings, log: RequestLog, compute: Optional[ComputeThread] = None):
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, compute=compute)
         self.settings = settings
         self.log = log
         self.names = served_names(settings.served_model_names, settings.model_path, engine.name)
@@ -790,11 +791,14 @@ def _engine_unavailable() -> JSONResponse:
     return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
 
 
-def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[RequestLog] = None) -> FastAPI:
+def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[RequestLog] = None,
+               compute: Optional[ComputeThread] = None) -> FastAPI:
     """A FastAPI app serving `engine` (a kvsplice Engine). The app's lifespan starts the engine thread and
-    stops it on shutdown. Request log lines go to `log` (default: stdout); metrics live in a registry private
-    to this app. The app's ServerState is at `app.state.kvsplice`."""
-    state = ServerState(engine, settings or ServerSettings(), log or RequestLog())
+    stops it on shutdown. `compute`: the thread that built `engine`, to step it on (see
+    kvsplice.engine.compute_thread; default a new thread). Request log lines go to `log` (default:
+    stdout); metrics live in a registry private to this app. The app's ServerState is at
+    `app.state.kvsplice`."""
+    state = ServerState(engine, settings or ServerSettings(), log or RequestLog(), compute)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

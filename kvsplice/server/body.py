@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -65,18 +66,21 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if int(declared) > max_bytes:
             raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    body = request.stream()
+    async for chunk in body:
         size += len(chunk)
         if size > max_bytes:
-            await _discard(request, size)
+            await _discard(body, size)
             raise _too_large(max_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-async def _discard(request: Request, read_so_far: int) -> None:
-    """Read and drop the rest of an over-limit body, up to _DISCARD_BYTES in all."""
-    async for chunk in request.stream():
+async def _discard(body: AsyncIterator[bytes], read_so_far: int) -> None:
+    """Read and drop the rest of an over-limit body from `body` (the iterator that read the first
+    part: a second `request.stream()` raises once the last chunk has arrived), up to
+    _DISCARD_BYTES in all."""
+    async for chunk in body:
         read_so_far += len(chunk)
         if read_so_far > _DISCARD_BYTES:
             return

@@ -22,6 +22,7 @@ from typing import Optional, TextIO
 import uvicorn
 
 from kvsplice.config import EngineConfig
+from kvsplice.engine.compute_thread import ComputeThread
 from kvsplice.engine.failpoints import Failpoints
 from kvsplice.server.api import ServerSettings, create_app
 from kvsplice.server.request_log import RequestLog, start_record
@@ -43,12 +44,19 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Option
               failpoints: Optional[Failpoints] = None):
     """Load the model, write the `kvsplice.start` line to `log`, and return the app. Raises what
     `build_engine` raises (ValueError / OSError for a model it cannot load). `failpoints`: a test
-    seam handed to the Engine."""
+    seam handed to the Engine. The model is loaded on the ComputeThread that will step it (see
+    kvsplice.engine.compute_thread: loaded on this thread instead, a decode step takes twice as
+    long)."""
     from kvsplice.engine.llm import build_engine  # imports torch and the model code
 
-    engine = build_engine(engine_config, failpoints=failpoints)
+    compute = ComputeThread()
+    try:
+        engine = compute.run(lambda: build_engine(engine_config, failpoints=failpoints))
+    except BaseException:
+        compute.close()
+        raise
     log = log or RequestLog()
-    app = create_app(engine, settings, log)
+    app = create_app(engine, settings, log, compute)
     log.start(start_record(app.state.kvsplice.model_name, settings.model_path, engine_config, engine.max_model_len,
                            settings.replica_name, settings.host, settings.port))
     return app

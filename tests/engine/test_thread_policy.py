@@ -7,7 +7,7 @@ import torch
 
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import build_engine
-from kvsplice.engine.thread_policy import ThreadPolicy, auto_decode_threads
+from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.sampling_params import SamplingParams
 from tests.tiny_model import make_tiny_model_dir
 
@@ -26,7 +26,6 @@ def test_policy_picks_by_step_kind_and_caps_at_compute_threads(two_threads):
     assert ThreadPolicy.from_config(8).decode_threads == 2       # never more than the other steps get
     unset = ThreadPolicy.from_config(None)
     assert unset.threads_for(decoding=True) == unset.threads_for(decoding=False) == 2
-    assert [auto_decode_threads(n) for n in (1, 2, 8)] == [1, 1, 7]
 
 
 def test_engine_runs_decode_steps_on_decode_threads(tmp_path, two_threads):
@@ -47,11 +46,12 @@ def test_engine_runs_decode_steps_on_decode_threads(tmp_path, two_threads):
     assert torch.get_num_threads() == 2                  # the lm_head ran last, on every thread
 
 
-def test_decode_threads_are_checked_and_the_cli_default_leaves_a_core(two_threads):
+def test_decode_threads_are_checked_and_the_cli_default_is_every_thread(two_threads):
     from kvsplice.cli import build_parser, engine_config_from_args
 
     with pytest.raises(ValueError, match="decode_threads"):
         EngineConfig(decode_threads=0)
     assert EngineConfig().decode_threads is None
     parse = lambda *argv: engine_config_from_args(build_parser().parse_args(["serve", *argv]), {})  # noqa: E731
-    assert parse().decode_threads == 1 and parse("--decode-threads", "2").decode_threads == 2
+    assert parse().decode_threads is None and parse("--decode-threads", "auto").decode_threads is None
+    assert parse("--decode-threads", "1").decode_threads == 1
