@@ -31,7 +31,7 @@ from kvsplice.sampling_params import SamplingParams  # noqa: E402
 
 GROUPS = (  # (label, profiler op names)
     ("packed int4/int8 matmuls", ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")),
-    ("dense matmuls (lm_head)", ("aten::mm", "aten::addmm")),
+    ("dense matmuls (lm_head)", ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")),
     ("attention (SDPA)", ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
 )
 

@@ -106,3 +106,24 @@ def test_bucketed_linear_module_is_an_nn_linear_with_the_same_values():
     assert isinstance(bucketed, torch.nn.Linear)
     x = torch.randn(3, ROW_BUCKET + 7, 32, dtype=torch.bfloat16)   # leading dims flattened: 213 rows
     torch.testing.assert_close(bucketed(x), plain(x), rtol=0, atol=0)
+
+
+def test_prepacked_dense_copy_gives_the_same_values_as_f_linear():
+    """Where oneDNN runs bf16 natively, bf16 PackedLinears hold a prepacked copy of their dense
+    weight and use it above the packed kernels' row limit (and for dense formats at every row
+    count); elsewhere, and for fp32 weights, there is none."""
+    from kvsplice.layers.quant_linear import SMALL_BATCH_ROWS_PREPACKED, can_prepack
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    assert PackedLinear.build([weight.float()], [None], "int4").prepacked is None
+    if not can_prepack(weight):
+        pytest.skip("oneDNN has no native bf16 on this CPU: no prepacked weights here")
+    dense, int4 = PackedLinear.build([weight], [bias], "dense"), PackedLinear.build([weight], [bias], "int4")
+    assert dense.prepacked is not None and int4.prepacked is not None
+    assert int4.small_batch_rows == SMALL_BATCH_ROWS_PREPACKED["int4"]
+    for rows in (1, 7, 9, 64, 65, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(dense(x), torch.nn.functional.linear(x, weight, bias))
+        if rows > int4.small_batch_rows:
+            torch.testing.assert_close(int4(x), int4.reference(x))
