@@ -110,16 +110,20 @@ class KVPool:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # per-layer views made once: indexing k[layer] costs a dispatch in every layer of every step
+        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @property
     def num_slots(self) -> int:
         return self.allocator.num_slots
 
     def k_layer(self, layer_id: int) -> torch.Tensor:
-        return self.k[layer_id]
+        """`k[layer_id]` (a view)."""
+        return self._k_layers[layer_id]
 
     def v_layer(self, layer_id: int) -> torch.Tensor:
-        return self.v[layer_id]
+        """`v[layer_id]` (a view)."""
+        return self._v_layers[layer_id]
 
     def bytes_per_slot(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()

@@ -115,9 +115,10 @@ class DecodeArena:
                 return
             self._drop(max(range(len(self.reqs)), key=lambda row: self.reqs[row].seq_len))
 
-    def step_view(self, layer: int, count: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V `[count, kv_heads, width, head_dim]` of rows 0..count-1 (views)."""
-        return self.k[layer, :count, :, :width], self.v[layer, :count, :, :width]
+    def step_views(self, count: int, width: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """K and V of rows 0..count-1, one `[count, kv_heads, width, head_dim]` view per layer (made
+        once per step: slicing in every layer costs a dispatch each)."""
+        return self.k[:, :count, :, :width].unbind(0), self.v[:, :count, :, :width].unbind(0)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Store `k`, `v [n, kv_heads, head_dim]` (in the arena's dtype) of `rows [n]` at `positions [n]`."""

@@ -45,13 +45,18 @@ from kvsplice.models.decoder import Decoder
 @dataclass(frozen=True)
 class DecodeStep:
     """The arena decode rows of one forward: rows 0..count-1 of the batch and of the arena, at
-    `positions`; the longest context `width`, and the length mask (None when all are `width`)."""
+    `positions`; the longest context `width`, the length mask (None when all are `width`), the
+    arena's K/V views of those rows per layer (`DecodeArena.step_views`), and whether the batch
+    is these rows only (`only`: no slicing of the rows in every layer)."""
 
     count: int
     rows: torch.Tensor
     positions: torch.Tensor
     width: int
     mask: Optional[torch.Tensor]
+    k_rows: tuple[torch.Tensor, ...]
+    v_rows: tuple[torch.Tensor, ...]
+    only: bool
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,9 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def fast_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` for a full-width rotary: x `[T, H, D]`, tables from `_rope_tables`; math in
-    fp32, returns x.dtype."""
-    x32 = x if x.dtype is torch.float32 else x.to(torch.float32)
-    rotated = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+    """`apply_rope` for a full-width rotary: x `[T, H, D]`, fp32 tables from `_rope_tables`; math
+    in fp32 (a bf16 x is promoted inside each op, exactly as if converted first), returns x.dtype."""
+    rotated = torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
     return rotated if x.dtype is torch.float32 else rotated.to(x.dtype)
 
 
@@ -120,7 +124,7 @@ class FastDecoder:
         self.lm_head = (PackedLinear.build([model.lm_head.weight], [None], "dense") if head_format == "dense"
                         else _fuse([model.lm_head], head_format))
         self.eps = cfg.rms_norm_eps
-        self.q_width, self.kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_width = cfg.num_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
     @staticmethod
@@ -176,26 +180,27 @@ class FastDecoder:
         lengths = arena.lengths[:count]
         width = max(lengths)
         mask = None if min(lengths) == width else length_mask(torch.tensor(lengths), width)
-        return DecodeStep(count, torch.arange(count), batch.positions[:count], width, mask)
+        k_rows, v_rows = arena.step_views(count, width)
+        return DecodeStep(count, torch.arange(count), batch.positions[:count], width, mask, k_rows, v_rows,
+                          only=not batch.seqs and count == batch.input_ids.shape[0])
 
     def _layer(self, layer_id: int, layer: FastLayer, hidden: torch.Tensor, cos, sin_signed,
                batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena],
                decode: Optional[DecodeStep]) -> torch.Tensor:
         cfg, rows = self.cfg, hidden.shape[0]
         qkv = layer.qkv(rms_norm_via_layer_norm(hidden, layer.input_norm, self.eps))
-        q_end, k_end = self.q_width, self.q_width + self.kv_width
-        v = qkv[:, k_end:].view(rows, cfg.num_kv_heads, cfg.head_dim)
+        heads = qkv.view(rows, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)   # [q heads | k | v]
+        k_end = cfg.num_heads + cfg.num_kv_heads
+        v = heads[:, k_end:]
         if layer.q_norm is None:   # q and k side by side: one rotation for both
-            qk = fast_rope(qkv[:, :k_end].view(rows, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                           cos, sin_signed)
+            qk = fast_rope(heads[:, :k_end], cos, sin_signed)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         else:
-            q = rms_norm_via_layer_norm(qkv[:, :q_end].view(rows, cfg.num_heads, cfg.head_dim), layer.q_norm, self.eps)
-            k = rms_norm_via_layer_norm(qkv[:, q_end:k_end].view(rows, cfg.num_kv_heads, cfg.head_dim),
-                                        layer.k_norm, self.eps)
+            q = rms_norm_via_layer_norm(heads[:, :cfg.num_heads], layer.q_norm, self.eps)
+            k = rms_norm_via_layer_norm(heads[:, cfg.num_heads:k_end], layer.k_norm, self.eps)
             q, k = fast_rope(q, cos, sin_signed), fast_rope(k, cos, sin_signed)
-        pool.k[layer_id].index_copy_(0, batch.out_slots, k)
-        pool.v[layer_id].index_copy_(0, batch.out_slots, v)
+        pool.k_layer(layer_id).index_copy_(0, batch.out_slots, k)
+        pool.v_layer(layer_id).index_copy_(0, batch.out_slots, v)
         attended = self._attention(layer_id, q, k, v, batch, pool, arena, decode)
         hidden = hidden + layer.o_proj(attended.reshape(rows, self.q_width))
         gate_up = layer.gate_up(rms_norm_via_layer_norm(hidden, layer.post_norm, self.eps))
@@ -208,9 +213,13 @@ class FastDecoder:
         if decode is None:
             return paged_attention_reference(q, layer_id, batch, pool, self.scale)
         count = decode.count
+        if decode.only:
+            arena.write(layer_id, k, v, decode.rows, decode.positions)
+            return contiguous_decode_attention(q, decode.k_rows[layer_id], decode.v_rows[layer_id], decode.mask,
+                                               self.scale)
         arena.write(layer_id, k[:count], v[:count], decode.rows, decode.positions)
-        k_rows, v_rows = arena.step_view(layer_id, count, decode.width)
-        decoded = contiguous_decode_attention(q[:count], k_rows, v_rows, decode.mask, self.scale)
+        decoded = contiguous_decode_attention(q[:count], decode.k_rows[layer_id], decode.v_rows[layer_id],
+                                              decode.mask, self.scale)
         if not batch.seqs:
             return decoded
         out = paged_attention_reference(q, layer_id, batch, pool, self.scale)

@@ -46,7 +46,7 @@ def test_rows_fill_from_pool_and_count_this_steps_token(torch_seed):
     k_new = torch.randn(2, HEADS, DIM)
     arena.write(0, k_new, k_new, torch.arange(2), torch.tensor([4, 8]))
     assert torch.equal(arena.k[0, 0, :, 4], k_new[0]) and torch.equal(arena.k[0, 1, :, 8], k_new[1])
-    k_rows, _ = arena.step_view(0, 2, 9)
+    k_rows, _ = arena.step_views(2, 9)[0][0], None
     assert k_rows.shape == (2, HEADS, 9, DIM)
 
 
