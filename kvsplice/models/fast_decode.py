@@ -35,7 +35,8 @@ from torch.nn import functional as F
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.engine.decode_arena import DecodeArena
 from kvsplice.engine.forward_batch import ForwardBatch
-from kvsplice.layers.attention import contiguous_decode_attention, length_mask, paged_attention_reference
+from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
+                                      paged_attention_reference, plan_sequences)
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
 from kvsplice.layers.quant_linear import PackedLinear
 from kvsplice.models.config import ModelConfig
@@ -161,8 +162,9 @@ class FastDecoder:
         hidden = F.embedding(batch.input_ids, self.embed)
         cos, sin_signed = _rope_tables(*self.rotary.cos_sin(batch.positions))
         decode = self._decode_step(batch, arena)
+        plans = plan_sequences(batch, pool, self.embed.dtype)   # once, not in every layer
         for layer_id, layer in enumerate(self.layers):
-            hidden = self._layer(layer_id, layer, hidden, cos, sin_signed, batch, pool, arena, decode)
+            hidden = self._layer(layer_id, layer, hidden, cos, sin_signed, batch, pool, arena, decode, plans)
         return rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,7 @@ class FastDecoder:
 
     def _layer(self, layer_id: int, layer: FastLayer, hidden: torch.Tensor, cos, sin_signed,
                batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena],
-               decode: Optional[DecodeStep]) -> torch.Tensor:
+               decode: Optional[DecodeStep], plans: tuple[SequencePlan, ...]) -> torch.Tensor:
         cfg, rows = self.cfg, hidden.shape[0]
         qkv = layer.qkv(rms_norm_via_layer_norm(hidden, layer.input_norm, self.eps))
         heads = qkv.view(rows, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)   # [q heads | k | v]
@@ -201,17 +203,18 @@ class FastDecoder:
             q, k = fast_rope(q, cos, sin_signed), fast_rope(k, cos, sin_signed)
         pool.k_layer(layer_id).index_copy_(0, batch.out_slots, k)
         pool.v_layer(layer_id).index_copy_(0, batch.out_slots, v)
-        attended = self._attention(layer_id, q, k, v, batch, pool, arena, decode)
+        attended = self._attention(layer_id, q, k, v, batch, pool, arena, decode, plans)
         hidden = hidden + layer.o_proj(attended.reshape(rows, self.q_width))
         gate_up = layer.gate_up(rms_norm_via_layer_norm(hidden, layer.post_norm, self.eps))
         width = gate_up.shape[1] // 2
         return hidden + layer.down(F.silu(gate_up[:, :width]) * gate_up[:, width:])
 
     def _attention(self, layer_id: int, q, k, v, batch: ForwardBatch, pool: KVPool,
-                   arena: Optional[DecodeArena], decode: Optional[DecodeStep]) -> torch.Tensor:
-        """Arena attention for the decode rows, the reference path for the rest."""
+                   arena: Optional[DecodeArena], decode: Optional[DecodeStep],
+                   plans: tuple[SequencePlan, ...]) -> torch.Tensor:
+        """Arena attention for the decode rows, the reference path (with `plans`) for the rest."""
         if decode is None:
-            return paged_attention_reference(q, layer_id, batch, pool, self.scale)
+            return paged_attention_reference(q, layer_id, batch, pool, self.scale, plans=plans)
         count = decode.count
         if decode.only:
             arena.write(layer_id, k, v, decode.rows, decode.positions)
@@ -222,6 +225,6 @@ class FastDecoder:
                                               decode.mask, self.scale)
         if not batch.seqs:
             return decoded
-        out = paged_attention_reference(q, layer_id, batch, pool, self.scale)
+        out = paged_attention_reference(q, layer_id, batch, pool, self.scale, plans=plans)
         out[:count] = decoded
         return out

@@ -160,3 +160,40 @@ def test_bf16_padding_is_invisible(torch_seed, query_len, context_len, permute, 
     expected = _naive_attention(q.float(), pool.k_layer(0)[slots].float(), pool.v_layer(0)[slots].float(),
                                 q_pos, pos, window)
     torch.testing.assert_close(out.float(), expected, atol=0.03, rtol=0.03)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_len, first_slot", [(1, 10), (5, 10), (30, 0), (30, 98)])
+def test_a_context_in_one_run_of_slots_is_read_as_a_view(torch_seed, dtype, query_len, first_slot):
+    """A context whose slots are one ascending run is read from the pool without a gather, padding
+    included (the slots after the run hold other entries: masked, they must not count); a run whose
+    padding would pass the pool's end is gathered. Both equal the naive attention."""
+    from kvsplice.layers.attention import plan_sequence
+
+    context_len, num_slots = 30, 128
+    pool = KVPool(num_slots, 1, HKV, D, dtype=dtype)
+    pool.k[0], pool.v[0] = 50 * torch.randn(num_slots, HKV, D), 50 * torch.randn(num_slots, HKV, D)  # junk
+    slots, pos = torch.arange(first_slot, first_slot + context_len), torch.arange(context_len)
+    store_kv(torch.randn(context_len, HKV, D), torch.randn(context_len, HKV, D), 0, slots, pool)
+    q = torch.randn(query_len, HQ, D).to(dtype)
+    q_pos = pos[-query_len:]
+    plan = plan_sequence(q_pos, slots, pos, num_slots, dtype)
+    padded_end = first_slot + (32 if dtype is torch.bfloat16 else context_len)
+    assert (plan.run_start is not None) == (padded_end <= num_slots)
+    batch = ForwardBatch.single(torch.zeros(query_len, dtype=torch.long), q_pos, slots[-query_len:], slots, pos,
+                                all_logits=True)
+    out = paged_attention(q, 0, batch, pool, D ** -0.5)
+    expected = _naive_attention(q.float(), pool.k_layer(0)[slots].float(), pool.v_layer(0)[slots].float(), q_pos, pos)
+    tolerance = 0.03 if dtype is torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_run_too_close_to_the_pool_end_is_gathered():
+    from kvsplice.layers.attention import plan_sequence
+
+    slots = torch.arange(100, 128)        # 28 slots, padded to 32 in bf16: 132 > 128
+    plan = plan_sequence(torch.arange(28), slots, torch.arange(28), 128, torch.bfloat16)
+    assert plan.run_start is None and plan.slots.numel() == 32
+    assert plan_sequence(torch.arange(28), slots, torch.arange(28), 128, torch.float32).run_start == 100
+    scattered = plan_sequence(torch.arange(3), torch.tensor([4, 6, 5]), torch.arange(3), 128, torch.float32)
+    assert scattered.run_start is None
