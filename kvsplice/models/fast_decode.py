@@ -162,7 +162,8 @@ class FastDecoder:
         hidden = F.embedding(batch.input_ids, self.embed)
         cos, sin_signed = _rope_tables(*self.rotary.cos_sin(batch.positions))
         decode = self._decode_step(batch, arena)
-        plans = plan_sequences(batch, pool, self.embed.dtype)   # once, not in every layer
+        plans = plan_sequences(batch, pool, self.embed.dtype,   # once, not in every layer
+                               group=self.cfg.num_heads // self.cfg.num_kv_heads)
         for layer_id, layer in enumerate(self.layers):
             hidden = self._layer(layer_id, layer, hidden, cos, sin_signed, batch, pool, arena, decode, plans)
         return rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)

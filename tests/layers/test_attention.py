@@ -197,3 +197,27 @@ def test_a_run_too_close_to_the_pool_end_is_gathered():
     assert plan_sequence(torch.arange(28), slots, torch.arange(28), 128, torch.float32).run_start == 100
     scattered = plan_sequence(torch.arange(3), torch.tensor([4, 6, 5]), torch.arange(3), 128, torch.float32)
     assert scattered.run_start is None
+
+
+@pytest.mark.parametrize("query_len", [3, 16, 40])
+def test_folded_query_heads_give_the_same_attention(torch_seed, query_len):
+    """A masked attention of at most FOLD_MAX_QUERY_ROWS rows stacks each kv head's q heads as rows
+    of one head; the result is the unfolded one's."""
+    from kvsplice.layers.attention import FOLD_MAX_QUERY_ROWS, plan_sequence, planned_attention
+
+    context_len = 60
+    pool = KVPool(128, 1, HKV, D, dtype=torch.bfloat16)
+    slots, pos = torch.randperm(128)[:context_len], torch.arange(context_len)
+    store_kv(torch.randn(context_len, HKV, D), torch.randn(context_len, HKV, D), 0, slots, pool)
+    q = torch.randn(query_len, HQ, D).to(torch.bfloat16)
+    q_pos = pos[-query_len:]
+    folded = plan_sequence(q_pos, slots, pos, 128, torch.bfloat16, group=HQ // HKV)
+    plain = plan_sequence(q_pos, slots, pos, 128, torch.bfloat16)
+    padded_rows = folded.pad_q + query_len
+    assert folded.fold == (HQ // HKV if padded_rows <= FOLD_MAX_QUERY_ROWS else 1) and plain.fold == 1
+    assert folded.mask.shape[0] == folded.fold * padded_rows
+    got = planned_attention(q, folded, pool.k_layer(0), pool.v_layer(0), D ** -0.5)
+    expected = planned_attention(q, plain, pool.k_layer(0), pool.v_layer(0), D ** -0.5)
+    torch.testing.assert_close(got, expected)
+    causal = plan_sequence(pos[:8], slots[:8], pos[:8], 128, torch.bfloat16, group=HQ // HKV)
+    assert causal.causal and causal.fold == 1
