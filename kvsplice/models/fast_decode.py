@@ -9,13 +9,14 @@ On a small model a decode step is mostly per-op overhead, not FLOPs, so this pat
   - decode rows attend over their DecodeArena rows (contiguous K/V, one batched SDPA per layer)
     instead of gathering their context slots from the pool in every layer;
   - no per-request Python inside the layer loop except for the non-decode chunks, which take
-    the reference attention (gather + position mask) exactly as the Decoder does.
+    the reference attention exactly as the Decoder does, with their SequencePlans (context view or
+    gather, position mask) made once per forward instead of once per layer.
 
 Per layer, T rows (decode rows first):
 
     h -> rms_norm -> qkv -> [q | k | v] -> rope(q, k) -> pool[out_slots] <- k, v
                                             decode rows:  arena[row, pos] <- k, v; SDPA over arena rows
-                                            other rows:   paged_attention_reference (gather)
+                                            other rows:   paged_attention_reference (planned once)
       -> o_proj + h -> rms_norm -> gate|up -> silu(gate) * up -> down + h
 
 Eligible models (`FastDecoder.supports`): every layer full attention without a sliding window or
