@@ -60,10 +60,6 @@ class ComputeThread:
         self._closed.set()
         self._tasks.put(None)
 
-    @property
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _serve(self) -> None:
         while True:
             task: Any = self._tasks.get()

@@ -14,8 +14,8 @@ the fixed point of this update is a + b p = target_s, and it converges there whe
 (the update's slope at the fixed point is (a - decode_s) / (target_s - decode_s) < 1). When no
 such p exists the share falls to `min_tokens`, which every step still gets (less the decode rows
 when they are at most a quarter of it, so that the step's rows fit the share's row bucket: see
-`_within_bucket`): prefill always makes progress, no request starves. With nothing decoding, the share is `max_tokens` (throughput:
-nobody is waiting for a token).
+`_within_bucket`): prefill always makes progress, no request starves. With nothing decoding, the
+share is `max_tokens` (throughput: nobody is waiting for a token).
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ below ~12 rows, int8 below ~6.
 Where oneDNN runs bf16 natively (avx512_bf16 / AMX), a bf16 dense copy is also held prepacked in
 oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the layout torch.compile's
 CPU backend packs linears into): a plain bf16 F.linear reorders its weight on every call. The
-results are the same (bit for bit, measured here). Measured on 2 Sapphire Rapids cores, the default model's 120
-projections: 13.4 ms instead of 19.7 at 16 rows, 33 instead of 46 at 256; its lm_head 1.2 ms
-instead of 2.0 for one row. int4 then beats the dense copy up to 8 rows (11.1 against 12.2 ms
-at 8, 16.6 against 12.2 at 12) and int8 up to 3, so `small_batch_rows` is 8 and 3 there. The prepacked copy
-costs the memory of the dense one again.
+results are the same (bit for bit, measured here). Measured on 2 Sapphire Rapids cores, the
+default model's 120 projections: 13.4 ms instead of 19.7 at 16 rows, 33 instead of 46 at 256; its
+lm_head 1.2 ms instead of 2.0 for one row. int4 then beats the dense copy up to 8 rows (11.1
+against 12.2 ms at 8, 16.6 against 12.2 at 12) and int8 up to 3, so `small_batch_rows` is 8 and 3
+there. The prepacked copy costs the memory of the dense one again.
 """
 
 from __future__ import annotations
@@ -165,9 +165,12 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
+def prepack(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """`weight [N, K]` in oneDNN's blocked layout, for `bucketed_linear(..., prepacked=)` (an opaque
-    mkldnn tensor; the row hint only picks a blocking, any row count can use it)."""
+    mkldnn tensor; the row hint only picks a blocking, any row count can use it); None where
+    `can_prepack` says no."""
+    if not can_prepack(weight):
+        return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
 
 
@@ -213,7 +216,7 @@ class PackedLinear:
                               for w, b in zip(weights, biases)])
         if fmt == "dense" or not supports(fmt, dense):
             dense = dense.contiguous()
-            return PackedLinear(dense, bias, "dense", None, 0, prepack(dense) if can_prepack(dense) else None)
+            return PackedLinear(dense, bias, "dense", None, 0, prepack(dense))
         qw = quantize(dense, fmt)
         if fmt == "int8":
             packed = (qw.values.contiguous(), qw.scales)
@@ -221,7 +224,7 @@ class PackedLinear:
             packed = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.values.to(torch.int32), 1),
                       qw.scales)
         weight = dequantize(qw).to(dense.dtype).contiguous()
-        prepacked = prepack(weight) if can_prepack(weight) else None
+        prepacked = prepack(weight)
         limits = SMALL_BATCH_ROWS if prepacked is None else SMALL_BATCH_ROWS_PREPACKED
         rows = limits[fmt] if small_batch_rows is None else small_batch_rows
         return PackedLinear(weight, bias, fmt, packed, rows, prepacked)

@@ -218,12 +218,10 @@ class FastDecoder:
         if decode is None:
             return paged_attention_reference(q, layer_id, batch, pool, self.scale, plans=plans)
         count = decode.count
-        if decode.only:
-            arena.write(layer_id, k, v, decode.rows, decode.positions)
-            return contiguous_decode_attention(q, decode.k_rows[layer_id], decode.v_rows[layer_id], decode.mask,
-                                               self.scale)
-        arena.write(layer_id, k[:count], v[:count], decode.rows, decode.positions)
-        decoded = contiguous_decode_attention(q[:count], decode.k_rows[layer_id], decode.v_rows[layer_id],
+        # the decode rows lead the batch (no slicing when they are all of it)
+        q_rows, k_rows, v_rows = (q, k, v) if decode.only else (q[:count], k[:count], v[:count])
+        arena.write(layer_id, k_rows, v_rows, decode.rows, decode.positions)
+        decoded = contiguous_decode_attention(q_rows, decode.k_rows[layer_id], decode.v_rows[layer_id],
                                               decode.mask, self.scale)
         if not batch.seqs:
             return decoded
