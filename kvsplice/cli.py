@@ -62,6 +62,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-threads", type=_decode_threads, default="auto",
                        help="intra-op threads of steps with decode rows: N, or auto (default: every thread, as the "
                             "other steps get; a smaller N leaves cores to other work while tokens stream)")
+    group.add_argument("--prefill-lane-threads", type=_prefill_lane_threads, default="auto",
+                       help="while requests decode, prefill other requests on a thread of their own with N "
+                            "intra-op threads (the decode steps run alone on the rest); 0 = off: prefill "
+                            "chunks share the decode steps; auto (default): 1 where the process has 2 threads "
+                            "or more, else 0")
     group.add_argument("--device", default="cpu", help="torch device (default cpu)")
     group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")
     group.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward")
@@ -103,13 +108,36 @@ def _decode_threads(raw: str) -> int | str:
     return value
 
 
+def _prefill_lane_threads(raw: str) -> int | str:
+    if raw == "auto":
+        return raw
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer in [0, 1024], got {raw!r}")
+    return value
+
+
+def resolve_prefill_lane_threads(value: int | str, threads: int) -> int:
+    """--prefill-lane-threads as a count: auto is 1 when `threads` (the process's intra-op
+    threads) is at least 2, else 0."""
+    if value == "auto":
+        return 1 if threads >= 2 else 0
+    return int(value)
+
+
 def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]):
     """EngineConfig from parsed engine flags (unset flags keep EngineConfig's defaults). ValueError if bad."""
     from kvsplice.config import EngineConfig
 
+    import torch
+
     decode_threads = None if args.decode_threads == "auto" else args.decode_threads
+    lane_threads = resolve_prefill_lane_threads(args.prefill_lane_threads, torch.get_num_threads())
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
-                              "decode_threads": decode_threads,
+                              "decode_threads": decode_threads, "prefill_lane_threads": lane_threads,
                               "prefix_cache": not args.no_prefix_cache, "fast_path": not args.no_fast_path,
                               "reuse": reuse_config_from_args(args, environ)}
     for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots",

@@ -39,8 +39,13 @@ class EngineConfig:
     min_prefill_tokens: prefill tokens every step carries at least (when there are any, and at
         most max_batch_tokens), so prefill always progresses.
     decode_threads: intra-op threads of steps with decode rows (`kvsplice.engine.thread_policy`);
-        None: the same as every other step (torch's thread count). `kvsplice serve` gives one
-        fewer, so the HTTP side has a core while tokens stream.
+        None: the same as every other step (torch's thread count), what `kvsplice serve`'s
+        auto gives.
+    prefill_lane_threads: while requests decode, other requests' prefill runs on a thread of its
+        own with this many intra-op threads, in chunks of max_batch_tokens, and the decode steps
+        run alone on the rest (`kvsplice.engine.prefill_lane`); 0: prefill chunks share the
+        decode steps (StepBudget). Needs the fast path and fewer threads than the engine's;
+        otherwise off. `kvsplice serve` defaults to 1 where the process has 2 threads or more.
     """
 
     model: str | None = None
@@ -59,6 +64,7 @@ class EngineConfig:
     step_budget_ratio: float = 2.5
     min_prefill_tokens: int = 16
     decode_threads: int | None = None
+    prefill_lane_threads: int = 0
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
 
     def __post_init__(self) -> None:
@@ -77,5 +83,7 @@ class EngineConfig:
             raise ValueError(f"step_budget_ratio must be in [1, 100], got {self.step_budget_ratio}")
         if self.decode_threads is not None and not 1 <= self.decode_threads <= 1024:
             raise ValueError(f"decode_threads must be in [1, 1024], got {self.decode_threads}")
+        if not 0 <= self.prefill_lane_threads <= 1024:
+            raise ValueError(f"prefill_lane_threads must be in [0, 1024], got {self.prefill_lane_threads}")
         if not 1 <= self.min_prefill_tokens <= 1 << 20:
             raise ValueError(f"min_prefill_tokens must be in [1, 2^20], got {self.min_prefill_tokens}")

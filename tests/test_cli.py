@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 
-from kvsplice.cli import build_parser, engine_config_from_args, main, reuse_config_from_args
+from kvsplice.cli import (build_parser, engine_config_from_args, main, resolve_prefill_lane_threads,
+                          reuse_config_from_args)
 from kvsplice.server.launch import free_port
 from tests.tiny_model import make_tiny_model_dir
 
@@ -37,7 +38,8 @@ def test_serve_help_exits_zero(capsys):
     ["serve", "--port", "70000"], ["generate"], ["report", "/does/not/exist.jsonl"],
     ["serve", "--tool-call-parser", "pythonic"], ["serve", "--chat-template", "/no/such/template.jinja"],
     ["serve", "--chat-template", "{% for m in messages %}"], ["serve", "--decode-threads", "0"],
-    ["serve", "--decode-threads", "some"],
+    ["serve", "--decode-threads", "some"], ["serve", "--prefill-lane-threads", "-1"],
+    ["serve", "--prefill-lane-threads", "one"],
 ])
 def test_bad_input_exits_2_with_a_message(argv, capsys):
     assert main(argv) == 2
@@ -60,6 +62,12 @@ def test_engine_flags_and_model_path_alias():
     config = engine_config_from_args(args, {})
     assert (config.model, config.num_slots, config.max_batch_tokens, config.max_running, config.max_waiting,
             config.max_model_len, config.dtype, config.prefix_cache) == ("m", 128, 64, 2, 3, 100, "bfloat16", False)
+
+
+def test_prefill_lane_threads_auto_is_one_thread_where_there_are_two():
+    assert resolve_prefill_lane_threads("auto", 2) == 1 and resolve_prefill_lane_threads("auto", 16) == 1
+    assert resolve_prefill_lane_threads("auto", 1) == 0 and resolve_prefill_lane_threads(0, 8) == 0
+    assert engine_config_from_args(_serve_args("--prefill-lane-threads", "3"), {}).prefill_lane_threads == 3
 
 
 def test_workload_dispatch(tmp_path, capsys):

@@ -73,6 +73,7 @@ class AsyncEngine:
         self._commands.put(None)
         if self._loop_done is not None:
             concurrent.futures.wait([self._loop_done], timeout=10)
+        self.engine.close()
         self._compute.close()
 
     @property

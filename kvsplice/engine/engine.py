@@ -6,6 +6,8 @@ caller's own thread for `LLM.generate`).
     add_request ─> Scheduler.waiting ─admit (prefix match | SCR plan + relocate)─> running
         step: Scheduler.schedule ─> ModelRunner.run (one forward) ─> _postprocess
               ─> sample, detokenize, stop checks ─> RequestOutput deltas
+        step with a prefill lane (kvsplice.engine.prefill_lane): take back a finished lane job,
+              schedule_decodes ─> run here; when the lane is idle, schedule_prefill ─> lane
         finish: CacheManager.release (exact part into the radix tree) ─> session update
 
 Failures: an exception while admitting, running or postprocessing a request fails only that
@@ -31,6 +33,7 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
 from kvsplice.engine.failpoints import Failpoints
+from kvsplice.engine.prefill_lane import PrefillLane
 from kvsplice.engine.request import Namespace, Req, ReqStatus, RequestOutput
 from kvsplice.engine.reuse_manager import ReuseManager
 from kvsplice.engine.runner import ChunkResult, ModelRunner
@@ -107,6 +110,10 @@ class Engine:
                                   failpoints=failpoints)
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
         self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
+        self.lane: PrefillLane | None = None
+        if 0 < config.prefill_lane_threads < torch.get_num_threads() and self.runner.supports_lane:
+            self.lane = PrefillLane(config.prefill_lane_threads, self.runner.run_lane)
+        self._lane_outputs: list[RequestOutput] = []   # of a job taken back between steps
         self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
@@ -180,6 +187,8 @@ class Engine:
         """Stop a request wherever it is; its slots are freed and a final output with
         finish_reason 'abort' comes out of the next `step()`. False if the id is unknown."""
         req = self._reqs.get(rid)
+        if req is not None and req.rid in self.scheduler.held:
+            self._lane_outputs += self._take_lane(block=True)   # the lane is writing its slots
         if req is None or req.status is ReqStatus.FINISHED:
             return False
         self._finish(req, "abort")
@@ -188,7 +197,7 @@ class Engine:
 
     # ----- the step ---------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.scheduler.has_work() or bool(self._aborted) or bool(self._lane_outputs)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and return the outputs it produced (failed requests' final
@@ -197,14 +206,75 @@ class Engine:
             self.failpoints.check("step")
         outputs = [self._output(r, (), "", ()) for r in self._aborted]
         self._aborted.clear()
-        chunks = self.scheduler.schedule()   # a request whose admission raises is failed there
-        self._score([c for c in chunks if c.depth is not None])
-        for chunk, result in self._run([c for c in chunks if c.depth is None]):
-            if (out := self._postprocess_or_fail(chunk, result)) is not None:
-                outputs.append(out)
+        outputs += self._lane_outputs
+        self._lane_outputs = []
+        if self.lane is None:
+            chunks = self.scheduler.schedule()   # a request whose admission raises is failed there
+            self._score([c for c in chunks if c.depth is not None])
+            outputs += self._compute([c for c in chunks if c.depth is None])
+        else:
+            outputs += self._step_beside_lane()
         outputs += [self._output(req, (), "", ()) for req in self._take_failed()]
         if not self.scheduler.has_work():
             self.check_integrity()
+        return outputs
+
+    def _compute(self, chunks: list[Chunk], beside_lane: bool = False) -> list[RequestOutput]:
+        """Run `chunks` here (`_run`) and postprocess them: the outputs they produced."""
+        outputs = []
+        for chunk, result in self._run(chunks, beside_lane):
+            if (out := self._postprocess_or_fail(chunk, result)) is not None:
+                outputs.append(out)
+        return outputs
+
+    def _step_beside_lane(self) -> list[RequestOutput]:
+        """A step of an engine with a prefill lane (kvsplice.engine.prefill_lane):
+
+            take back the lane's job if it is done
+            decodes:  this thread, alone in their forward (beside the lane's job, if one runs)
+            prefill:  a job for the lane when it is idle and something decodes; with nothing
+                      decoding, here on every thread (or, while the lane works, wait for it)
+        """
+        outputs = self._take_lane(block=False)
+        decodes = self.scheduler.schedule_decodes()
+        if not decodes:
+            if self.lane.busy:
+                return outputs + self._take_lane(block=True)
+            chunks = self.scheduler.schedule_prefill(self.config.max_batch_tokens)
+            self._score([c for c in chunks if c.depth is not None])
+            return outputs + self._compute([c for c in chunks if c.depth is None])
+        if not self.lane.busy:
+            chunks = self.scheduler.schedule_prefill(self.config.max_batch_tokens - len(decodes))
+            self._score([c for c in chunks if c.depth is not None])
+            job = [c for c in chunks if c.depth is None and c.req.status is ReqStatus.RUNNING]
+            if job:
+                self.scheduler.held.update(c.req.rid for c in job)
+                self.lane.start(job)
+        outputs += self._compute(decodes, beside_lane=self.lane.busy)
+        return outputs + self._take_lane(block=False)
+
+    def _take_lane(self, block: bool) -> list[RequestOutput]:
+        """Take back the lane's finished job (`block`: wait for it) and postprocess it: the
+        outputs. A job whose forward raised is re-run here chunk by chunk, as `_run` does."""
+        taken = self.lane.take(block) if self.lane is not None else None
+        if taken is None:
+            return []
+        self.scheduler.held.difference_update(c.req.rid for c in taken.chunks)
+        self.counters.forward_steps += 1
+        chunks = list(taken.chunks)
+        if taken.error is None:
+            done = list(zip(chunks, taken.results))
+        elif len(chunks) == 1:
+            self._fail(chunks[0].req, taken.error, "forward")
+            done = []
+        else:
+            logger.warning("a prefill-lane forward of %d requests failed (%r); isolating the culprit",
+                           len(chunks), taken.error)
+            done = [pair for chunk in chunks for pair in self._run_batch([chunk])]
+        outputs = []
+        for chunk, result in done:
+            if (out := self._postprocess_or_fail(chunk, result)) is not None:
+                outputs.append(out)
         return outputs
 
     def _score(self, chunks: list[Chunk]) -> None:
@@ -218,7 +288,7 @@ class Engine:
                 self._fail(chunk.req, exc, "scoring")
             self.counters.forward_steps += 1
 
-    def _run(self, chunks: list[Chunk]) -> list[tuple[Chunk, ChunkResult]]:
+    def _run(self, chunks: list[Chunk], beside_lane: bool = False) -> list[tuple[Chunk, ChunkResult]]:
         """The step's forward and sampling, (chunk, result) for the chunks that succeeded.
 
         A forward is one call for the whole batch, so an exception does not say whose chunk caused
@@ -235,17 +305,17 @@ class Engine:
         """
         solo = [c for c in chunks if c.req.rid in self._solo]
         shared = [c for c in chunks if c.req.rid not in self._solo]
-        done = self._run_batch(shared) if shared else []
+        done = self._run_batch(shared, beside_lane) if shared else []
         for chunk in solo:
-            done += self._run_batch([chunk])
+            done += self._run_batch([chunk], beside_lane)
             self._solo.discard(chunk.req.rid)
         if chunks:
             self.counters.forward_steps += 1
         return done
 
-    def _run_batch(self, chunks: list[Chunk]) -> list[tuple[Chunk, ChunkResult]]:
+    def _run_batch(self, chunks: list[Chunk], beside_lane: bool = False) -> list[tuple[Chunk, ChunkResult]]:
         try:
-            return list(zip(chunks, self.runner.run(chunks)))
+            return list(zip(chunks, self.runner.run(chunks, beside_lane)))
         except Exception as exc:  # noqa: BLE001 -- isolated below, never ignored
             if len(chunks) == 1:
                 self._fail(chunks[0].req, exc, "forward")
@@ -258,7 +328,7 @@ class Engine:
                 self.scheduler.preempt(chunk.req)
                 self._solo.add(chunk.req.rid)
             return []
-        return [pair for chunk in chunks for pair in self._run_batch([chunk])]
+        return [pair for chunk in chunks for pair in self._run_batch([chunk], beside_lane)]
 
     def _postprocess_or_fail(self, chunk: Chunk, result: ChunkResult) -> RequestOutput | None:
         try:
@@ -404,6 +474,11 @@ class Engine:
     def slots_in_use(self) -> int:
         """Slots held by requests and sessions (not free, not reclaimable cache)."""
         return self.cache.held_by(self.scheduler.running) + self.reuse.private_slots()
+
+    def close(self) -> None:
+        """Let the prefill lane's thread end (it holds the model); the engine must not step after."""
+        if self.lane is not None:
+            self.lane.close()
 
     def flush_cache(self) -> None:
         """Drop every unlocked radix entry and idle session (SGLang's /flush_cache)."""

@@ -61,7 +61,7 @@ class ModelRunner:
         self.fast: FastDecoder | None = None
         self.arena: DecodeArena | None = None
         self.weight_format = WeightFormat("dense", "dense")
-        self.threads = ThreadPolicy.from_config(config.decode_threads)
+        self.threads = ThreadPolicy.from_config(config.decode_threads, config.prefill_lane_threads)
         if isinstance(model, Decoder):
             self.weight_format = resolve_weight_format(config.weight_format, model)
             apply_weight_format(model, self.weight_format)
@@ -71,15 +71,15 @@ class ModelRunner:
                     self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
                                              config.decode_arena_tokens, device=pool.k.device)
 
-    def build_batch(self, chunks: list[Chunk]) -> tuple[ForwardBatch, list[dict[int, int]]]:
+    def build_batch(self, chunks: list[Chunk], use_arena: bool = True) -> tuple[ForwardBatch, list[dict[int, int]]]:
         """Flatten chunks into a ForwardBatch; also returns, per chunk (in `chunks` order),
         {offset: row of the logits tensor} for the offsets whose logits are needed.
 
-        With a DecodeArena, the decode chunks it holds come first, in its row order, as
-        `arena_rows` (no SeqSlice each); the other chunks follow as before.
+        With a DecodeArena (and `use_arena`), the decode chunks it holds come first, in its row
+        order, as `arena_rows` (no SeqSlice each); the other chunks follow as before.
         """
         arena_chunks: list[Chunk] = []
-        if self.arena is not None:
+        if self.arena is not None and use_arena:
             decoding = {id(c.req): c for c in chunks if c.req.is_decoding and len(c.offsets) == 1}
             held = self.arena.assign([c.req for c in decoding.values()], self.pool)
             arena_chunks = [decoding[id(req)] for req in held]
@@ -133,15 +133,16 @@ class ModelRunner:
         return sorted(wanted)
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> list[ChunkResult]:
-        """One forward over all chunks, then sampling. Writes the chunks' K/V into the pool."""
+    def run(self, chunks: list[Chunk], beside_lane: bool = False) -> list[ChunkResult]:
+        """One forward over all chunks, then sampling. Writes the chunks' K/V into the pool.
+        `beside_lane`: a prefill-lane job runs meanwhile (fewer threads, `ThreadPolicy`)."""
         started = time.perf_counter()
         try:
             batch, rows_per_chunk = self.build_batch(chunks)
             if self.failpoints is not None:
                 self.failpoints.check("forward", [c.req.rid for c in chunks])
             decode_rows = sum(1 for c in chunks if c.req.is_decoding and len(c.offsets) == 1)
-            self.threads.apply(decoding=decode_rows > 0)
+            self.threads.apply(decoding=decode_rows > 0, beside_lane=beside_lane)
             logits = self._forward(batch)
         except BaseException:
             if self.arena is not None:
@@ -151,6 +152,24 @@ class ModelRunner:
         if self.budget is not None:
             self.budget.observe(time.perf_counter() - started, decode_rows, batch.num_tokens - decode_rows)
         return results
+
+    @property
+    def supports_lane(self) -> bool:
+        """True when `run_lane` may run beside `run` (the fast path of an attention-only model:
+        a forward then writes nothing but its own requests' slots)."""
+        return self.fast is not None and self.states is None
+
+    @torch.inference_mode()
+    def run_lane(self, chunks: list[Chunk]) -> list[ChunkResult]:
+        """`run` for the prefill lane's thread (kvsplice.engine.prefill_lane), beside the engine
+        thread's `run`: prefill chunks only, without the DecodeArena, on the calling thread's own
+        intra-op threads, and nothing fed to the StepBudget (its steps are not decode steps'
+        neighbours). Writes the chunks' K/V into the pool."""
+        batch, rows_per_chunk = self.build_batch(chunks, use_arena=False)
+        if self.failpoints is not None:
+            self.failpoints.check("forward", [c.req.rid for c in chunks])
+        logits = self.fast.logits(self.fast.final_hidden(batch, self.pool))
+        return self._results(chunks, logits, rows_per_chunk)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.fast is not None:

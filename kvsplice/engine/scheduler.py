@@ -11,7 +11,10 @@ Each step it picks, in this order:
 Steps 2 and 3 share the step's prefill budget: `max_batch_tokens` when nothing decodes, else what
 `StepBudget` (kvsplice.engine.step_budget) measured to fit next to the decodes within the step-time
 budget, at least `min_prefill_tokens`, so that a long prefill goes in chunks that keep the
-decoding requests' pace, and every prefill still progresses every step.
+decoding requests' pace, and every prefill still progresses every step. With a prefill lane
+(kvsplice.engine.prefill_lane) the engine asks for the two parts separately: `schedule_decodes`
+for its own steps, `schedule_prefill(max_batch_tokens)` for the lane's job, whose requests stay
+`held` until it is done.
 
 A request's work in a step is a list of offsets to compute (not necessarily contiguous: under
 SCR the relocated spans sit between them). A request whose SCR plan asked for a scoring pass
@@ -56,6 +59,9 @@ class Scheduler:
         self.preempt_fn = preempt_fn
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        # rids whose chunk is being computed elsewhere (the prefill lane): never scheduled nor
+        # preempted until the engine takes them back
+        self.held: set[str] = set()
         self.budget = StepBudget(config.max_batch_tokens, config.step_budget_ratio, config.min_prefill_tokens)
 
     def has_work(self) -> bool:
@@ -74,15 +80,27 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         """Choose this step's work (see the module docstring). Side effects: allocates slots,
         may preempt running requests, moves admitted requests from waiting to running."""
+        chunks = self.schedule_decodes()
+        budget = min(self.budget.prefill_tokens(len(chunks)), self.config.max_batch_tokens - len(chunks))
+        return chunks + self.schedule_prefill(budget)
+
+    def schedule_decodes(self) -> list[Chunk]:
+        """One chunk per decoding request not `held`, each given the slot of its newest token
+        (preempting the newest others when the pool is exhausted)."""
         chunks: list[Chunk] = []
-        for req in [r for r in self.running if r.is_decoding]:
+        for req in [r for r in self.running if r.is_decoding and r.rid not in self.held]:
             if req.status is not ReqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if not self._grow_or_preempt(req, chunks):
                 continue
             chunks.append(Chunk(req, list(req.pending)))
-        budget = min(self.budget.prefill_tokens(len(chunks)), self.config.max_batch_tokens - len(chunks))
-        for req in [r for r in self.running if not r.is_decoding]:
+        return chunks
+
+    def schedule_prefill(self, budget: int) -> list[Chunk]:
+        """Prefill chunks of at most `budget` tokens in all: running requests still in prefill
+        first (not `held`), then waiting ones admitted first come first served."""
+        chunks: list[Chunk] = []
+        for req in [r for r in self.running if not r.is_decoding and r.rid not in self.held]:
             if budget <= 0:
                 break
             budget -= self._add_prefill_chunk(req, budget, chunks)
@@ -112,7 +130,8 @@ class Scheduler:
         this step; if nothing else can go, `req` itself is preempted (returns False)."""
         scheduled = {id(c.req) for c in chunks}
         while not self.cache.grow(req):
-            victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+            victims = [r for r in self.running
+                       if r is not req and id(r) not in scheduled and r.rid not in self.held]
             victim = victims[-1] if victims else req
             self._preempt(victim)
             if victim is req:

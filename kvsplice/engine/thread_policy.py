@@ -11,6 +11,10 @@ than one with a thread fewer.
     threads:     compute_threads           decode_threads        decode_threads
     lm_head:     compute_threads           compute_threads       compute_threads
 
+While a prefill-lane job runs on its own thread (kvsplice.engine.prefill_lane, `lane_threads`),
+the engine thread's steps, lm_head included, take at most `compute_threads - lane_threads`, so the
+two together never ask for more threads than the process has.
+
 On 2 Sapphire Rapids cores serving the default model, with the engine stepped on the thread that
 loaded it (kvsplice.engine.compute_thread), every thread is the faster setting: 13.3 ms between
 streamed tokens of one request and 272 tokens/s for 8 streams, against 17.8 ms and 195 tokens/s
@@ -34,35 +38,45 @@ import torch
 @dataclass
 class ThreadPolicy:
     """Owned by the ModelRunner. `decode_threads` None: every step runs on `compute_threads`.
-    Mutable only in `current` (the count last set, so unchanged steps cost no call) and
-    `step_threads` (what the last step's layers ran on)."""
+    `lane_threads`: what a running prefill-lane job takes (kvsplice.engine.prefill_lane); a step
+    beside it gets at most `compute_threads - lane_threads`, its lm_head included. Mutable only in
+    `current` (the count last set, so unchanged steps cost no call), `step_threads` (what the last
+    step's layers ran on) and `head_threads` (what its lm_head gets)."""
 
     compute_threads: int
     decode_threads: Optional[int] = None
+    lane_threads: int = 0
     current: Optional[int] = None
     step_threads: Optional[int] = None
+    head_threads: Optional[int] = None
 
     @classmethod
-    def from_config(cls, decode_threads: Optional[int]) -> "ThreadPolicy":
-        """A policy around the process's present intra-op thread count."""
+    def from_config(cls, decode_threads: Optional[int], lane_threads: int = 0) -> "ThreadPolicy":
+        """A policy around the calling thread's present intra-op thread count."""
         compute = torch.get_num_threads()
-        return cls(compute, None if decode_threads is None else min(decode_threads, compute))
+        return cls(compute, None if decode_threads is None else min(decode_threads, compute), lane_threads)
 
-    def threads_for(self, decoding: bool) -> int:
-        """Threads for a step that carries decode rows (`decoding`) or prefill chunks only."""
+    def threads_for(self, decoding: bool, beside_lane: bool = False) -> int:
+        """Threads for a step that carries decode rows (`decoding`) or prefill chunks only, while
+        a prefill-lane job runs (`beside_lane`) or not."""
+        threads = self.compute_threads
         if decoding and self.decode_threads is not None:
-            return self.decode_threads
-        return self.compute_threads
+            threads = self.decode_threads
+        if beside_lane:
+            threads = min(threads, max(1, self.compute_threads - self.lane_threads))
+        return threads
 
-    def apply(self, decoding: bool) -> None:
-        """Set torch's intra-op thread count for the next step. Side effect: process-wide
-        (torch.set_num_threads); the engine thread is the only one running forwards."""
-        self.step_threads = self.threads_for(decoding)
+    def apply(self, decoding: bool, beside_lane: bool = False) -> None:
+        """Set torch's intra-op thread count for the next step. Side effect: on the calling
+        thread (torch.set_num_threads sets OpenMP's per-thread count), the engine thread."""
+        self.step_threads = self.threads_for(decoding, beside_lane)
+        self.head_threads = self.threads_for(False, beside_lane)
         self._set(self.step_threads)
 
     def apply_head(self) -> None:
-        """Every thread for the lm_head (see the module docstring). Side effect: process-wide."""
-        self._set(self.compute_threads)
+        """The lm_head's threads (see the module docstring): every thread, or every one the
+        lane leaves. Side effect: on the calling thread."""
+        self._set(self.head_threads or self.compute_threads)
 
     def _set(self, wanted: int) -> None:
         if wanted != self.current:
