@@ -46,6 +46,18 @@ def test_fast_path_matches_the_reference_decoder(model_dir, kwargs):
     engine.check_integrity()
 
 
+def test_decoded_tokens_reach_the_pool_as_on_the_reference_path(model_dir):
+    """Decode rows attend over the DecodeArena but their K/V also reach the pool (the truth that
+    prefix caching and SCR reuse): it ends up as the reference Decoder leaves it."""
+    prompts = _prompts((7, 30))
+    _, ref_engine = _generate(model_dir, prompts, fast_path=False)
+    _, engine = _generate(model_dir, prompts)
+    used = ref_engine.runner.pool.k.abs().sum(dim=(0, 2, 3)) != 0
+    assert int(used.sum()) >= sum(len(p) for p in prompts) + 2 * (GREEDY.max_tokens - 1)
+    for ours, theirs in ((engine.runner.pool.k, ref_engine.runner.pool.k), (engine.runner.pool.v, ref_engine.runner.pool.v)):
+        assert torch.allclose(ours[:, used], theirs[:, used], atol=1e-4, rtol=1e-4)
+
+
 def test_prefix_hit_on_the_fast_path_equals_a_cold_run(model_dir):
     shared = _prompts((40,))[0]
     cold, _ = _generate(model_dir, [shared + [7, 8, 9]])
