@@ -62,6 +62,19 @@ class TakenJob:
     error: Optional[BaseException]
 
 
+def _own_thread_count(threads: int) -> None:
+    """Give the calling thread `threads` intra-op threads for good.
+
+    torch sets a thread's count lazily, at its first parallel op (or get_num_threads), from the
+    count the process last set on any thread; a set_num_threads before that is overwritten then.
+    So the lazy set-up is triggered first. Without it the lane took the engine thread's 2 threads
+    whenever that thread had set 2 last, and the process then held more OpenMP threads than cores:
+    measured on 2 cores, every later decode step took 2x as long (libgomp stops its workers spinning,
+    see kvsplice.engine.compute_thread)."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
 class PrefillLane:
     """Runs `run(chunks)` (ModelRunner.run_lane) on a thread of its own, one job at a time, on
     `threads` intra-op threads. Called from the engine thread only. `jobs`: jobs started so far."""
@@ -72,7 +85,7 @@ class PrefillLane:
         self.threads = threads
         self._run = run
         self._thread = ComputeThread(name="kvsplice-prefill")
-        self._thread.run(lambda: torch.set_num_threads(threads))
+        self._thread.run(lambda: _own_thread_count(threads))
         self.job: Optional[LaneJob] = None
         self.jobs = 0
 

@@ -182,6 +182,14 @@ def test_steps_beside_a_lane_job_take_the_threads_it_leaves():
     torch.set_num_threads(torch.get_num_threads())
 
 
+def test_the_lane_keeps_its_own_thread_count_whatever_other_threads_set_later(two_threads):
+    lane = PrefillLane(1, lambda chunks: [torch.get_num_threads()])
+    torch.set_num_threads(2)              # as the engine thread does after the lane is built
+    lane.start(["c"])
+    assert lane.take(block=True).results == [1]
+    lane.close()
+
+
 def test_a_lane_job_that_is_taken_back_leaves_the_lane_idle():
     lane = PrefillLane(1, lambda chunks: ["done"] * len(chunks))
     assert lane.take(block=False) is None
