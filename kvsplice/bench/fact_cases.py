@@ -139,7 +139,8 @@ def fact_cases(seed: int = 0, per_kind: int = 4) -> list[FactCase]:
 class FactResult:
     """One question under one setting: whether the top-1 answer token is the current / stale
     value's first token, their probabilities, and KL(exact || setting) at the answer position
-    (0 for exact recompute itself) and over the last positions."""
+    (0 for exact recompute itself) and over the last positions; `computed_share`: the share of
+    the prompt computed (scoring passes in token equivalents; 1 for exact recompute)."""
 
     setting: str
     case: str
@@ -150,6 +151,7 @@ class FactResult:
     p_stale: float
     kl_answer: float
     kl_mean: float
+    computed_share: float = 1.0
 
 
 def first_token(tokenizer, value: Optional[str]) -> Optional[int]:
@@ -158,14 +160,14 @@ def first_token(tokenizer, value: Optional[str]) -> Optional[int]:
 
 
 def score(setting: str, fact: FactCase, logits: torch.Tensor, tokenizer, kl_answer: float,
-          kl_mean: float) -> FactResult:
+          kl_mean: float, computed_share: float = 1.0) -> FactResult:
     """A FactResult from the answer position's raw `logits [vocab]`."""
     probs = torch.softmax(logits.double(), dim=-1)
     top = int(probs.argmax())
     current, stale = first_token(tokenizer, fact.current), first_token(tokenizer, fact.stale)
     return FactResult(setting, fact.case.name, fact.kind, top == current, top == stale,
                       float(probs[current]) if current is not None else 0.0,
-                      float(probs[stale]) if stale is not None else 0.0, kl_answer, kl_mean)
+                      float(probs[stale]) if stale is not None else 0.0, kl_answer, kl_mean, computed_share)
 
 
 def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print) -> list[FactResult]:
@@ -180,7 +182,7 @@ def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print)
         for setting, (turn2_ids, out) in zip(settings, outputs):
             row = harness.result(setting, fact.case, turn2_ids, out)
             results.append(score(setting.label, fact, out.prompt_logits[answer], harness.tokenizer,
-                                 row.kl_answer, row.kl_mean))
+                                 row.kl_answer, row.kl_mean, row.computed_tokens / row.prompt_tokens))
         log(f"{fact.case.name}: " + ", ".join(f"{r.setting} {'C' if r.follows_current else 'S' if r.follows_stale else '-'}"
                                               f" KL {r.kl_answer:.4f}" for r in results[-len(settings) - 1:])
             + f"  ({time.perf_counter() - started:.1f} s)")
@@ -189,9 +191,10 @@ def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print)
 
 def facts_table(results: Sequence[FactResult]) -> str:
     """Per setting and kind (and all kinds): questions, answers following the current value, the
-    stale one, mean probabilities, mean answer-position KL and mean KL over the last positions."""
+    stale one, mean probabilities, mean answer-position KL, mean KL over the last positions and
+    the mean share of the prompt computed."""
     lines = ["| setting | kind | questions | follows current | follows stale/deleted | p(current) | p(stale) | "
-             "answer KL | mean KL |", "|---|---|---|---|---|---|---|---|---|"]
+             "answer KL | mean KL | computed |", "|---|---|---|---|---|---|---|---|---|---|"]
     settings = list(dict.fromkeys(r.setting for r in results))
     for setting in settings:
         for kind in KINDS + ("all",):
@@ -205,7 +208,7 @@ def facts_table(results: Sequence[FactResult]) -> str:
                 f"| {setting} | {kind} | {n} | {_share(with_current, 'follows_current')} | "
                 f"{_share(with_stale, 'follows_stale')} | {_mean(with_current, 'p_current')} | "
                 f"{_mean(with_stale, 'p_stale')} | {sum(r.kl_answer for r in rows) / n:.4f} | "
-                f"{sum(r.kl_mean for r in rows) / n:.5f} |")
+                f"{sum(r.kl_mean for r in rows) / n:.5f} | {100 * sum(r.computed_share for r in rows) / n:.1f}% |")
     return "\n".join(lines)
 
 
@@ -217,10 +220,12 @@ def _mean(rows, key: str) -> str:
     return f"{sum(getattr(r, key) for r in rows) / len(rows):.3f}" if rows else "-"
 
 
-def fact_settings(default, seams: Sequence[int] = (), removed_seams: Sequence[int] = ()) -> list:
+def fact_settings(default, seams: Sequence[int] = (), removed_seams: Sequence[int] = (),
+                  policies: Sequence[str] = (), budgets: Sequence[float] = ()) -> list:
     """The settings of the fact task: SCR without selective recompute (K=6, tail=16), the server
-    default `default` (a ReuseConfig), K=6, tail=16 with each seam length of `seams`, and the
-    default's seams with each longer seam of `removed_seams` after removed text."""
+    default `default` (a ReuseConfig), K=6, tail=16 with each seam length of `seams`, the
+    default's seams with each longer seam of `removed_seams` after removed text, and the default's
+    seams with each policy of `policies` at each share of `budgets` > 0."""
     from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Setting
 
     removed = f", {default.removed_seam_tokens} after removed" if default.removed_seam_tokens else ""
@@ -232,7 +237,10 @@ def fact_settings(default, seams: Sequence[int] = (), removed_seams: Sequence[in
             + [Setting(f"seams {n}", BASE_K, BASE_TAIL, seam_tokens=n) for n in seams]
             + [Setting(f"seams {default.seam_tokens}, {r} after removed", BASE_K, BASE_TAIL,
                        seam_tokens=default.seam_tokens, removed_seam_tokens=r)
-               for r in removed_seams if r > default.seam_tokens])
+               for r in removed_seams if r > default.seam_tokens]
+            + [Setting(f"{policy} {budget:g}, seams {default.seam_tokens}", BASE_K, BASE_TAIL,
+                       seam_tokens=default.seam_tokens, recompute=budget, policy=policy)
+               for policy in policies for budget in budgets if budget > 0])
 
 
 def select_facts(facts: Sequence[FactCase], names: Optional[Sequence[str]]) -> list[FactCase]:
@@ -248,7 +256,8 @@ def select_facts(facts: Sequence[FactCase], names: Optional[Sequence[str]]) -> l
 
 def facts_main(args) -> int:
     """`kvsplice fidelity --task facts`: SCR without selective recompute (K=6, tail=16), with the
-    server default's and with every `--fact-seams` length, against exact recompute, on `--max-cases`
+    server default's, with every `--fact-seams` length and with every `--policies` policy at every
+    `--fact-budgets` share (on the default's seams), against exact recompute, on `--max-cases`
     questions (default: 4 of each kind), or the `--case` ones. Writes facts.json and facts.md to
     --out; returns 0, or 2 for an unknown question name (message on stderr)."""
     import sys
@@ -262,7 +271,7 @@ def facts_main(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    settings = fact_settings(ReuseConfig(), args.fact_seams, args.removed_seams)
+    settings = fact_settings(ReuseConfig(), args.fact_seams, args.removed_seams, args.policies, args.fact_budgets)
     harness = Harness(args.model, gen_tokens=1)
     started = time.perf_counter()
     results = run_facts(harness, settings, facts)

@@ -133,10 +133,11 @@ def sweep_settings(ks: Sequence[int] = DEFAULT_KS, tails: Sequence[int] = DEFAUL
 def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequence[str] = ("heads",),
                    score_layers: Sequence[int] = (1,), max_spans: int = BASE_K,
                    tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = (),
-                   removed_seams: Sequence[int] = ()) -> list[Setting]:
+                   removed_seams: Sequence[int] = (), policy_seams: int = 0) -> list[Setting]:
     """The budget sweep: SCR off, then per tail SCR without recompute, every seam length > 0 alone
     and with every longer seam of `removed_seams` after removed text, and every policy x budget > 0
-    x score depth (the depth only for the scoring policy)."""
+    x score depth (the depth only for the scoring policy), each on top of `policy_seams` seam
+    tokens (labelled ", seams N" when > 0)."""
     settings = [Setting("scr off", 0, tails[0])]
     for tail in tails:
         suffix = f" tail={tail}" if len(tails) > 1 else ""
@@ -150,9 +151,10 @@ def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequenc
             for budget in (b for b in budgets if b > 0):
                 for depth in depths:
                     label = (f"{policy} {budget:g}" + (f" d={depth}" if len(depths) > 1 else "")
+                             + (f", seams {policy_seams}" if policy_seams else "")
                              + (f" tail={tail}" if len(tails) > 1 else ""))
                     settings.append(Setting(label, max_spans, tail, recompute=budget, policy=policy,
-                                            score_layers=depth))
+                                            score_layers=depth, seam_tokens=policy_seams))
     return settings
 
 
@@ -461,12 +463,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "removed (deleted or replaced) text")
     parser.add_argument("--policies", type=_name_list, default=list(DEFAULT_POLICIES),
                         help=f"recompute policies to sweep ({', '.join(RECOMPUTE_POLICIES)})")
+    parser.add_argument("--policy-seams", type=int, default=0,
+                        help="seam tokens under every policy x budget setting (0: the policy's share alone)")
     parser.add_argument("--score-layers", type=_number_list(int), default=[1],
                         help="layers of the scoring pass to sweep (deviation policies)")
     parser.add_argument("--front-tails", type=_number_list(int), default=list(DEFAULT_FRONT_TAILS),
                         help="span tails of the budget sweep (K=6)")
     parser.add_argument("--fact-seams", type=_number_list(int), default=[],
                         help="facts task: also run K=6, tail=16 with these seam lengths")
+    parser.add_argument("--fact-budgets", type=_number_list(float), default=[],
+                        help="facts task: also run every --policies policy at these shares, on top of the "
+                             "server default's seams")
     parser.add_argument("--no-anchor", action="store_true", help="skip the fp8 K/V anchors")
     parser.add_argument("--max-share", type=float, default=0.08,
                         help="most of the prompt the chosen default may compute")
@@ -493,14 +500,14 @@ def select_cases(cases: list[EditCase], names: Optional[list[str]], max_cases: O
 def _check_args(args) -> Optional[str]:
     if args.gen_tokens < 1 or 0 in (args.tails or []) or 0 in args.front_tails:
         return "--gen-tokens and every tail must be >= 1"
-    if any(b > 1 for b in args.budgets) or not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
+    if any(b > 1 for b in args.budgets + args.fact_budgets) or not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
         return "every budget and --max-share must lie in [0, 1], --kl-target in (0, 10)"
     bad = [p for p in args.policies if p not in RECOMPUTE_POLICIES]
     if bad:
         return f"unknown policy {bad[0]!r}; expected some of {', '.join(RECOMPUTE_POLICIES)}"
     if any(not 1 <= d <= 8 for d in args.score_layers) or (args.max_cases is not None and args.max_cases < 1):
         return "--score-layers must lie in [1, 8] and --max-cases be >= 1"
-    if any(n > 4096 for n in args.seams + args.fact_seams + args.removed_seams):
+    if any(not 0 <= n <= 4096 for n in args.seams + args.fact_seams + args.removed_seams + [args.policy_seams]):
         return "every seam length must lie in [0, 4096]"
     return None
 
@@ -537,7 +544,7 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
     front = front_settings(args.budgets, args.policies, args.score_layers, tails=args.front_tails, seams=args.seams,
-                           removed_seams=args.removed_seams)
+                           removed_seams=args.removed_seams, policy_seams=args.policy_seams)
     settings += [st for st in front if st.label not in {s.label for s in settings}]
     harness = Harness(args.model, gen_tokens=args.gen_tokens)
     started = time.perf_counter()

@@ -65,7 +65,8 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
 from kvsplice.reuse.diff import EqualRun, diff_tokens
-from kvsplice.reuse.plan import Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before
+from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before,
+                                 removed_spans)
 from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, scoring_pass,
                                       seam_offsets)
 from kvsplice.reuse.relocate import relocate
@@ -321,11 +322,13 @@ class ReuseManager:
         if count == 0 or (policy.choose is None and depth < 1):
             return len(seams)
         if policy.choose is not None:
-            self._apply_recompute(req, scr, policy.choose(scr.plan, count))
-        else:
-            scr.scoring = scoring_pass(scr.plan, req.pending, count, depth, self.model_config.num_layers,
-                                       policy.candidates(scr.plan))
-            req.scoring = scr.scoring
+            # a policy may choose fewer than `count` ("overlap": only tokens that match removed text)
+            chosen = policy.choose(scr.plan, count, scr.session.token_ids, req.prompt_ids)
+            self._apply_recompute(req, scr, chosen)
+            return len(seams) + len(chosen)
+        scr.scoring = scoring_pass(scr.plan, req.pending, count, depth, self.model_config.num_layers,
+                                   policy.candidates(scr.plan))
+        req.scoring = scr.scoring
         return len(seams) + count
 
     def scored(self, req: Req, offsets: list[int], new_k: torch.Tensor, new_v: torch.Tensor) -> None:
@@ -375,7 +378,8 @@ class ReuseManager:
         breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=plan.prefix_len, keeps=keeps, tail=tail)
         if not keeps:
             return PlanResult(None, "no_spans", breakdown)
-        return PlanResult(dataclasses.replace(plan, keeps=keeps, removed=removed_before(keeps, runs)), None, breakdown)
+        return PlanResult(dataclasses.replace(plan, keeps=keeps, removed=removed_before(keeps, runs),
+                                              removed_spans=removed_spans(keeps, runs)), None, breakdown)
 
     @staticmethod
     def _plan_state_loads(req: Req, plan: SpanPlan, old_states: dict[int, int], mode: str,

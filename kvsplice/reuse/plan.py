@@ -75,7 +75,9 @@ class SpanPlan:
     computed tokens after every keep. `recomputed`: new offsets inside keeps that are computed
     again after relocation (selective recompute), increasing. `removed`: per keep, how many old
     tokens right before it (since the previous keep, or the prefix) are gone from the new prompt
-    (deleted or replaced text its K/V saw), or () when not known."""
+    (deleted or replaced text its K/V saw), or () when not known. `removed_spans`: where that text
+    was, as old-offset ranges [start, end) before the last keep, increasing and disjoint, or ()
+    when not known (selective recompute's "overlap" policy reads the old tokens there)."""
 
     prompt_len: int
     prefix_len: int
@@ -83,6 +85,7 @@ class SpanPlan:
     tail: int
     recomputed: tuple[int, ...] = ()
     removed: tuple[int, ...] = ()
+    removed_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def relocated_tokens(self) -> int:
@@ -136,7 +139,9 @@ class SpanPlan:
         prefix_len; every relocated token identical in old and new; every src range within
         old_kv_len <= len(old_ids); at least `tail` computed tokens after every keep (so the
         prompt's last token is computed); recomputed offsets increasing, unique, each inside a
-        keep; `removed` empty or one count >= 0 per keep; prefix + relocated + prefilled == prompt_len."""
+        keep; `removed` empty or one count >= 0 per keep; `removed_spans` non-empty ranges,
+        increasing, disjoint, before the last keep and overlapping no keep; prefix + relocated +
+        prefilled == prompt_len."""
         if self.prompt_len != len(new_ids):
             raise PlanError(f"prompt_len {self.prompt_len} != len(new_ids) {len(new_ids)}")
         if not 0 <= self.prefix_len <= self.prompt_len:
@@ -154,6 +159,7 @@ class SpanPlan:
         _validate_recomputed(self.recomputed, self.keeps)
         if self.removed and (len(self.removed) != len(self.keeps) or min(self.removed) < 0):
             raise PlanError(f"removed {self.removed} must hold one count >= 0 per keep")
+        _validate_removed_spans(self.removed_spans, self.keeps)
         computed = sum(end - start for start, end in self.computed_ranges)
         if self.prefix_len + self.relocated_tokens + computed != self.prompt_len:
             raise PlanError("prefix + relocated + prefilled != prompt_len")
@@ -184,6 +190,21 @@ def _validate_recomputed(recomputed: Sequence[int], keeps: Sequence[Keep]) -> No
         position = bisect.bisect_right(starts, offset) - 1
         if position < 0 or offset >= keeps[position].dst_end:
             raise PlanError(f"recomputed offset {offset} lies in no keep")
+
+
+def _validate_removed_spans(spans: Sequence[tuple[int, int]], keeps: Sequence[Keep]) -> None:
+    """Raise PlanError unless `spans` are non-empty old ranges, increasing and disjoint, ending at
+    or before the last keep's start and overlapping no keep (a keep's tokens are still there)."""
+    floor = 0
+    for start, end in spans:
+        if not floor <= start < end:
+            raise PlanError(f"removed span {(start, end)} is empty, out of order or overlaps the previous one")
+        floor = end
+    if spans and (not keeps or spans[-1][1] > keeps[-1].src_pos):
+        raise PlanError(f"removed span {spans[-1]} does not lie before the last keep")
+    for start, end in spans:
+        if any(start < keep.src_end and keep.src_pos < end for keep in keeps):
+            raise PlanError(f"removed span {(start, end)} overlaps a keep")
 
 
 @dataclass(frozen=True)
@@ -246,7 +267,8 @@ def make_plan(
         reason = None if keeps else "no_spans"
     breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=prefix_len, keeps=keeps, tail=cfg.tail)
     removed = removed_before(keeps, runs)
-    plan = SpanPlan(prompt_len, prefix_len, keeps, cfg.tail, removed=removed) if keeps else None
+    plan = SpanPlan(prompt_len, prefix_len, keeps, cfg.tail, removed=removed,
+                    removed_spans=removed_spans(keeps, runs)) if keeps else None
     return PlanResult(plan, reason, breakdown)
 
 
@@ -266,6 +288,25 @@ def removed_before(keeps: Sequence[Keep], runs: Sequence[EqualRun]) -> tuple[int
         counts.append(max(0, keep.src_pos - start - kept))
         start = keep.src_end
     return tuple(counts)
+
+
+def removed_spans(keeps: Sequence[Keep], runs: Sequence[EqualRun]) -> tuple[tuple[int, int], ...]:
+    """The old text before the last keep that lies in no equal run (what `removed_before` counts),
+    as old-offset ranges [start, end), increasing and disjoint. `runs` are increasing in old."""
+    if not keeps:
+        return ()
+    limit = keeps[-1].src_pos
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for run in sorted(runs, key=lambda r: r.old_offset):
+        if run.old_offset >= limit:
+            break
+        if run.old_offset > start:
+            spans.append((start, run.old_offset))
+        start = max(start, run.old_end)
+    if start < limit:
+        spans.append((start, limit))
+    return tuple(spans)
 
 
 def choose_keeps(runs: Sequence[EqualRun], *, prefix_len: int, old_kv_len: int, cfg: ReuseConfig) -> tuple[Keep, ...]:

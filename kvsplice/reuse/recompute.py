@@ -10,8 +10,9 @@ request's main forward, next to B', the span tails and D:
 
     new prompt       [ A ][ B' ][ C1 relocated ............ ][tail][ C2 relocated ...... ][tail][ D ]
     seam_tokens             ^^^^                                    ^^^^                        (first N of each span)
-    recompute share              policy: "heads" (more of each span's head, shared out evenly)
-                                 or "deviation" (the top scores of a scoring pass)
+    recompute share              policy: "heads" (more of each span's head, shared out evenly),
+                                 "deviation" (the top scores of a scoring pass) or "overlap"
+                                 (tokens that also occur in the removed text the span saw)
     main forward           B'   ^^^^ ...                      tail  ^^^^ ...             tail  D
 
 The "deviation" policy's scoring pass (CacheBlend's selection):
@@ -25,14 +26,15 @@ re-rotated; rows of B' (and of earlier tails) are in the scoring pass because th
 after them attend to them. The pass is a phase of the request (`Req.scoring`): the scheduler gives
 it scoring chunks (rows run through `score_layers` layers only, `Decoder.layer_kv`), the engine
 hands their K/V to `ScoringPass.record` (via the ReuseManager), and when every row is scored the
-plan is amended (`SpanPlan.with_recomputed`) before the main forward. Seams and "heads" need no
-scoring pass: they are chosen at admission.
+plan is amended (`SpanPlan.with_recomputed`) before the main forward. Seams, "heads" and "overlap"
+need no scoring pass: they are chosen at admission ("overlap" from token ids alone).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -122,14 +124,17 @@ def kv_deviation(new_k: torch.Tensor, new_v: torch.Tensor, old_k: torch.Tensor,
 @dataclass(frozen=True)
 class Policy:
     """How a policy picks: `candidates(plan)` to score in a scoring pass ("deviation"), or
-    `choose(plan, count)` at admission ("heads"). Exactly one is set."""
+    `choose(plan, count, old_ids, new_ids)` at admission ("heads", "overlap": at most `count`
+    relocated offsets, from the plan and the token ids of the session's sequence and the prompt).
+    Exactly one is set."""
 
     candidates: Callable[[SpanPlan], list[int]] | None = None
-    choose: Callable[[SpanPlan, int], list[int]] | None = None
+    choose: Callable[[SpanPlan, int, Sequence[int], Sequence[int]], list[int]] | None = None
 
 
-def _heads(plan: SpanPlan, count: int) -> list[int]:
-    """The first tokens of every relocated span, `count` shared out evenly (earlier spans first)."""
+def _heads(plan: SpanPlan, count: int, old_ids: Sequence[int] = (), new_ids: Sequence[int] = ()) -> list[int]:
+    """The first tokens of every relocated span, `count` shared out evenly (earlier spans first);
+    the token ids are not read."""
     spans = [[o for o in range(k.dst_pos, k.dst_end) if o not in set(plan.recomputed)] for k in plan.keeps]
     chosen: list[int] = []
     depth = 0
@@ -157,7 +162,61 @@ def seam_offsets(plan: SpanPlan, tokens: int, after_removed: int = 0) -> list[in
             for o in range(keep.dst_pos, keep.dst_pos + length)]
 
 
+def overlap_scores(plan: SpanPlan, old_ids: Sequence[int]) -> dict[int, float]:
+    """{relocated offset: score > 0} for the relocated (not yet recomputed) tokens of `plan` whose
+    token also occurs in removed text (`plan.removed_spans`) their K/V saw (before the span in the
+    old sequence). The score is the share of the token's occurrences in the old context the spans
+    saw (up to the last keep's end) that lie in that removed text, or, when higher, the same share
+    for the bigram (previous old token, token).
+
+    Why: a head that attends by content (a copy or induction head) spreads a query token's
+    attention over the earlier keys of the same token (or of the token after one), so what a
+    relocated token took from removed text grows with the share of its matches that were there:
+    a rare token whose one other occurrence was deleted carries it, a common one barely. Token
+    ids only: no forward pass, nothing to count as scored."""
+    if not plan.keeps or not plan.removed_spans:
+        return {}
+    seen = old_ids[: max(keep.src_end for keep in plan.keeps)]
+    unigrams = Counter(seen)
+    bigrams = Counter(zip(seen, seen[1:]))
+    gone_unigrams: Counter = Counter()
+    gone_bigrams: Counter = Counter()
+    recomputed = set(plan.recomputed)
+    spans = iter(plan.removed_spans)   # increasing in old, as the keeps are
+    upcoming = next(spans, None)
+    scores: dict[int, float] = {}
+    for keep in plan.keeps:
+        while upcoming is not None and upcoming[1] <= keep.src_pos:
+            start, end = upcoming
+            gone_unigrams.update(old_ids[start:end])
+            gone_bigrams.update(zip(old_ids[max(0, start - 1):end - 1], old_ids[max(1, start):end]))
+            upcoming = next(spans, None)
+        if not gone_unigrams:
+            continue
+        for offset in range(keep.dst_pos, keep.dst_end):
+            if offset in recomputed:
+                continue
+            src = offset - keep.delta
+            token = old_ids[src]
+            score = gone_unigrams[token] / unigrams[token]
+            if src > 0:
+                pair = (old_ids[src - 1], token)
+                score = max(score, gone_bigrams[pair] / bigrams[pair])
+            if score > 0:
+                scores[offset] = score
+    return scores
+
+
+def _overlap(plan: SpanPlan, count: int, old_ids: Sequence[int], new_ids: Sequence[int] = ()) -> list[int]:
+    """At most `count` relocated offsets, increasing: those with the highest `overlap_scores`
+    (ties: the earlier offset). Fewer when fewer tokens match removed text; none without it (an
+    edit that only inserts text). `new_ids` are not read (a relocated token is the same in both)."""
+    top = heapq.nlargest(count, overlap_scores(plan, old_ids).items(), key=lambda item: (item[1], -item[0]))
+    return sorted(offset for offset, _ in top)
+
+
 POLICIES: dict[str, Policy] = {
     "heads": Policy(choose=_heads),
     "deviation": Policy(candidates=relocated_offsets),
+    "overlap": Policy(choose=_overlap),
 }

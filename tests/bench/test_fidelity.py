@@ -178,6 +178,10 @@ def test_fact_task_end_to_end_on_a_tiny_model(tiny_dir):
     assert all(0.0 <= r.p_current <= 1.0 and 0.0 <= r.p_stale <= 1.0 for r in results)
     table = facts_table(results)
     assert "| exact | all | 5 |" in table and "| heads | delete_result | 1 |" in table
+    # the computed share: all of the prompt for exact recompute, a part of it under SCR
+    assert all(r.computed_share == 1.0 for r in results if r.setting == "exact")
+    assert all(0.0 < r.computed_share < 1.0 for r in results if r.setting == "K=2 tail=4")
+    assert table.splitlines()[0].endswith("| computed |") and "| 100.0% |" in table
 
 
 def test_fact_settings_and_question_selection(capsys):
@@ -190,6 +194,10 @@ def test_fact_settings_and_question_selection(capsys):
     assert [s.label for s in longer][2:] == ["seams 16, 128 after removed"]
     assert (longer[2].seam_tokens, longer[2].removed_seam_tokens) == (16, 128)
     assert longer[2].request_scr()["removed_seam_tokens"] == 128
+    with_policy = fact_settings(ReuseConfig(seam_tokens=16), [], [], ["overlap"], [0, 0.02, 0.05])
+    assert [s.label for s in with_policy][2:] == ["overlap 0.02, seams 16", "overlap 0.05, seams 16"]
+    scr = with_policy[3].request_scr()
+    assert (scr["recompute"], scr["recompute_policy"], scr["seam_tokens"], scr["max_spans"]) == (0.05, "overlap", 16, 6)
     facts = fact_cases(per_kind=2)
     assert [f.case.name for f in select_facts(facts, ["keep-1", "delete_result-0"])] == ["delete_result-0", "keep-1"]
     assert select_facts(facts, None) == facts
@@ -216,6 +224,11 @@ def test_front_settings_pair_every_seam_with_every_longer_removed_seam():
                       "seams 32, 128 after removed", "heads 0.02"]
     assert [s.removed_seam_tokens for s in settings] == [0, 0, 0, 128, 0, 128, 0]
     assert fidelity_main(["--removed-seams", "5000"]) == 2
+    # --policy-seams: the policies' shares on top of a seam
+    on_seams = front_settings([0.02], ["overlap"], seams=[16], policy_seams=16)
+    assert [(s.label, s.seam_tokens, s.recompute) for s in on_seams][-1] == ("overlap 0.02, seams 16", 16, 0.02)
+    assert fidelity_main(["--policy-seams", "-1"]) == 2
+    assert fidelity_main(["--task", "facts", "--fact-budgets", "1.5"]) == 2
 
 
 def test_front_marks_the_pareto_settings_and_chooses_the_best_within_the_budget():

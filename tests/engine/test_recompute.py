@@ -210,3 +210,24 @@ def test_hybrids_refuse_a_requested_recompute_and_skip_the_server_default(hybrid
     assert out.reuse.relocated_tokens > 0 and out.reuse.recomputed == 0 and out.reuse.scored_tokens == 0
     out.reuse.check(len(TURN2))
     llm.engine.check_integrity()
+
+
+def test_overlap_recomputes_the_relocated_tokens_that_match_removed_text(model_dir):
+    """TOOL_RESULT is removed in turn 2: with the share at 1, "overlap" recomputes exactly the
+    relocated tokens whose token occurs in removed text before their span (no others, no scoring
+    pass), and the counters say so."""
+    llm = make_llm(model_dir, recompute=1.0, recompute_policy="overlap")
+    req = first_step(llm)
+    plan = req.scr.plan
+    assert plan.removed_spans
+    expected = []
+    for keep in plan.keeps:
+        gone = {TURN1[o] for start, end in plan.removed_spans if end <= keep.src_pos for o in range(start, end)}
+        expected += [o for o in range(keep.dst_pos, keep.dst_end) if TURN2[o] in gone]
+    assert 0 < len(expected) < sum(keep.length for keep in plan.keeps)
+    assert list(plan.recomputed) == expected and req.scr.scoring is None
+    finish(llm)
+    stats = req.reuse
+    stats.check(len(TURN2))
+    assert stats.recomputed == len(expected) and stats.scored_tokens == 0
+    llm.engine.check_integrity()

@@ -239,6 +239,34 @@ def test_removed_before_counts_the_old_text_each_keep_lost():
     assert kept_in_gap.keeps[0].src_pos == 100 + 50 + 10 + 20 and kept_in_gap.removed == (70,)
 
 
+def test_removed_spans_say_where_the_counted_removed_text_was():
+    """The old ranges of the text `removed` counts: B (100..150) and x (350..370) in the design
+    example; around an unrelocated equal run in the gap, the two pieces either side of it; none
+    for a pure insertion. Their lengths add up to the counts."""
+    a, b, b2, c1, x, c2, d = seq(0, 100), seq(1000, 50), seq(2000, 30), seq(3000, 200), seq(4000, 20), seq(5000, 300), seq(6000, 40)
+    old, new = a + b + c1 + x + c2, a + b2 + c1 + c2 + d
+    plan = plan_for(old, new, prefix_len=100).plan
+    assert plan.removed_spans == ((100, 150), (350, 370))
+    plan.validate(old, new, len(old))
+    assert plan_for(a + c1 + c2, a + b + c1 + x + c2 + d, prefix_len=100).plan.removed_spans == ()
+    short = seq(7000, 10)
+    kept_in_gap = plan_for(a + b + short + x + c1, a + short + c1 + d, prefix_len=100).plan
+    assert kept_in_gap.removed_spans == ((100, 150), (160, 180))
+    assert sum(end - start for start, end in kept_in_gap.removed_spans) == sum(kept_in_gap.removed)
+
+
+def test_validate_rejects_removed_spans_that_do_not_fit():
+    a, b, b2, c1, x, c2, d = seq(0, 100), seq(1000, 50), seq(2000, 30), seq(3000, 200), seq(4000, 20), seq(5000, 300), seq(6000, 40)
+    old, new = a + b + c1 + x + c2, a + b2 + c1 + c2 + d
+    plan = plan_for(old, new, prefix_len=100).plan
+    for bad in (((350, 370), (100, 150)),            # out of order
+                ((100, 100),),                       # empty
+                ((100, 160),),                       # overlaps the first keep (150..334)
+                ((100, 150), (600, 610))):           # after the last keep's start (370)
+        with pytest.raises(PlanError, match="removed span"):
+            dataclasses.replace(plan, removed_spans=bad).validate(old, new, len(old))
+
+
 def test_validate_rejects_a_removed_count_per_keep_that_does_not_fit():
     a, b, c1, d = seq(0, 100), seq(1000, 50), seq(3000, 200), seq(6000, 40)
     old, new = a + b + c1, a + c1 + d

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvsplice.reuse.plan import Keep, SpanPlan
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, relocated_offsets,
-                                      scoring_pass, seam_lengths, seam_offsets)
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, overlap_scores, recompute_count,
+                                      relocated_offsets, scoring_pass, seam_lengths, seam_offsets)
 
 PLAN = SpanPlan(200, 10, (Keep(30, 20, 40), Keep(100, 80, 60)), tail=8)
 
@@ -82,3 +82,43 @@ def test_a_longer_seam_after_removed_text_replaces_the_short_one_only_there():
     assert seam_lengths(PLAN, 3, 10) == [3, 3]             # removal unknown: fixed seams
     assert seam_lengths(dataclasses.replace(PLAN, removed=(1, 0)), 3, 10) == [10, 3]
     assert seam_offsets(removed, 2, 5) == [20, 21, 80, 81, 82, 83, 84]
+
+
+# ----- the "overlap" policy -----------------------------------------------------------------
+# old: A (0..9) | R1 removed (10..14) | keep 1 (15..34 -> 10..29) | tail (35..38) | R2 removed (39)
+#      | keep 2 (40..59 -> 34..53) | tail (60..63); the new prompt drops R1 and R2 and appends D
+A_IDS = [100, 101, 102, 103, 104, 105, 9, 9, 8, 8]
+R1_IDS = [7, 8, 9, 5, 5]
+KEEP1_IDS = [200, 7, 201, 8, 9, 202, 5, 203, 40] + list(range(204, 215))
+KEEP2_IDS = [400, 40, 7] + list(range(401, 418))
+OLD_IDS = A_IDS + R1_IDS + KEEP1_IDS + [300, 301, 302, 303] + [40] + KEEP2_IDS + [500, 501, 502, 503]
+NEW_IDS = A_IDS + KEEP1_IDS + [300, 301, 302, 303] + KEEP2_IDS + [500, 501, 502, 503] + [600, 601, 602, 603]
+EDITED = SpanPlan(len(NEW_IDS), 10, (Keep(15, 10, 20), Keep(40, 34, 20)), tail=4, removed=(5, 1),
+                  removed_spans=((10, 15), (39, 40)))
+
+
+def test_overlap_scores_the_share_of_a_tokens_occurrences_that_were_removed():
+    """In the context the spans saw (old 0..59): 7 occurs 3 times, 1 removed (1/3); 8 and 9 4 times,
+    1 removed (1/4), but the bigram (8, 9) twice, once removed (1/2); 5 three times, 2 removed (2/3).
+    Token 40 matches only in keep 2: its removed occurrence (R2) lies after keep 1 in the old
+    sequence, so keep 1 never saw it. Tokens that occur in no removed text get no score."""
+    EDITED.validate(OLD_IDS, NEW_IDS, len(OLD_IDS))
+    scores = overlap_scores(EDITED, OLD_IDS)
+    assert scores == pytest.approx({11: 1 / 3, 13: 1 / 4, 14: 1 / 2, 16: 2 / 3, 35: 1 / 3, 36: 1 / 3})
+
+
+def test_overlap_chooses_the_top_scores_capped_by_the_count_and_by_the_matches():
+    choose = POLICIES["overlap"].choose
+    assert choose(EDITED, 2, OLD_IDS, NEW_IDS) == [14, 16]
+    assert choose(EDITED, 3, OLD_IDS, NEW_IDS) == [11, 14, 16]          # ties (1/3): the earlier offset
+    assert choose(EDITED, 100, OLD_IDS, NEW_IDS) == [11, 13, 14, 16, 35, 36]   # only the 6 matches
+    assert choose(EDITED, 0, OLD_IDS, NEW_IDS) == []
+    # offsets already recomputed (a seam) are not chosen again; the next best take their place
+    assert choose(EDITED.with_recomputed([10, 11]), 3, OLD_IDS, NEW_IDS) == [14, 16, 35]
+
+
+def test_overlap_chooses_nothing_without_removed_text():
+    """An edit that only inserts text (no removed spans, or a plan that does not know them)."""
+    inserted = dataclasses.replace(EDITED, removed=(0, 0), removed_spans=())
+    assert POLICIES["overlap"].choose(inserted, 10, OLD_IDS, NEW_IDS) == []
+    assert overlap_scores(inserted, OLD_IDS) == {}
