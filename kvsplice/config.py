@@ -34,8 +34,9 @@ class EngineConfig:
         packed, decode over the DecodeArena); False: the reference Decoder for every step.
     decode_arena_tokens: bound of the DecodeArena (rows x capacity, tokens), the contiguous
         copies of decoding requests' K/V; 0 disables it (decode rows gather from the pool).
-    step_budget_ratio: while requests decode, a step's prefill share is sized so that the step
-        takes about this many times a decode-only step (`kvsplice.engine.step_budget`).
+    step_budget_ratio: without a prefill lane, while requests decode, a step's prefill share is
+        sized so that the step takes about this many times a decode-only step
+        (`kvsplice.engine.step_budget`).
     min_prefill_tokens: prefill tokens every step carries at least (when there are any, and at
         most max_batch_tokens), so prefill always progresses.
     decode_threads: intra-op threads of steps with decode rows (`kvsplice.engine.thread_policy`);

@@ -221,8 +221,11 @@ class Engine:
 
     def _compute(self, chunks: list[Chunk], beside_lane: bool = False) -> list[RequestOutput]:
         """Run `chunks` here (`_run`) and postprocess them: the outputs they produced."""
+        return self._postprocess_all(self._run(chunks, beside_lane))
+
+    def _postprocess_all(self, done: list[tuple[Chunk, ChunkResult]]) -> list[RequestOutput]:
         outputs = []
-        for chunk, result in self._run(chunks, beside_lane):
+        for chunk, result in done:
             if (out := self._postprocess_or_fail(chunk, result)) is not None:
                 outputs.append(out)
         return outputs
@@ -271,11 +274,7 @@ class Engine:
             logger.warning("a prefill-lane forward of %d requests failed (%r); isolating the culprit",
                            len(chunks), taken.error)
             done = [pair for chunk in chunks for pair in self._run_batch([chunk])]
-        outputs = []
-        for chunk, result in done:
-            if (out := self._postprocess_or_fail(chunk, result)) is not None:
-                outputs.append(out)
-        return outputs
+        return self._postprocess_all(done)
 
     def _score(self, chunks: list[Chunk]) -> None:
         """SCR scoring passes (kvsplice.reuse.recompute), one forward through the first layers per
