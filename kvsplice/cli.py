@@ -96,28 +96,23 @@ def reuse_config_from_args(args: argparse.Namespace, environ: Mapping[str, str])
     return config.replace(**overrides) if overrides else config
 
 
-def _decode_threads(raw: str) -> int | str:
-    if raw == "auto":
-        return raw
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 1024:
-        raise argparse.ArgumentTypeError(f"expected auto or an integer in [1, 1024], got {raw!r}")
-    return value
+def _auto_or_count(low: int, high: int) -> Callable[[str], int | str]:
+    """An argparse type: "auto", or an integer in [low, high] (else an error naming the range)."""
+    def parse(raw: str) -> int | str:
+        if raw == "auto":
+            return raw
+        try:
+            value = int(raw)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected auto or an integer in [{low}, {high}], got {raw!r}")
+        return value
+    return parse
 
 
-def _prefill_lane_threads(raw: str) -> int | str:
-    if raw == "auto":
-        return raw
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 1024:
-        raise argparse.ArgumentTypeError(f"expected auto or an integer in [0, 1024], got {raw!r}")
-    return value
+_decode_threads = _auto_or_count(1, 1024)
+_prefill_lane_threads = _auto_or_count(0, 1024)
 
 
 def resolve_prefill_lane_threads(value: int | str, threads: int) -> int:
