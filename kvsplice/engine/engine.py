@@ -209,15 +209,19 @@ class Engine:
         outputs += self._lane_outputs
         self._lane_outputs = []
         if self.lane is None:
-            chunks = self.scheduler.schedule()   # a request whose admission raises is failed there
-            self._score([c for c in chunks if c.depth is not None])
-            outputs += self._compute([c for c in chunks if c.depth is None])
+            # a request whose admission raises is failed there
+            outputs += self._score_and_compute(self.scheduler.schedule())
         else:
             outputs += self._step_beside_lane()
         outputs += [self._output(req, (), "", ()) for req in self._take_failed()]
         if not self.scheduler.has_work():
             self.check_integrity()
         return outputs
+
+    def _score_and_compute(self, chunks: list[Chunk]) -> list[RequestOutput]:
+        """The scoring chunks' passes (`_score`), then the other chunks here (`_compute`)."""
+        self._score([c for c in chunks if c.depth is not None])
+        return self._compute([c for c in chunks if c.depth is None])
 
     def _compute(self, chunks: list[Chunk], beside_lane: bool = False) -> list[RequestOutput]:
         """Run `chunks` here (`_run`) and postprocess them: the outputs they produced."""
@@ -243,9 +247,7 @@ class Engine:
         if not decodes:
             if self.lane.busy:
                 return outputs + self._take_lane(block=True)
-            chunks = self.scheduler.schedule_prefill(self.config.max_batch_tokens)
-            self._score([c for c in chunks if c.depth is not None])
-            return outputs + self._compute([c for c in chunks if c.depth is None])
+            return outputs + self._score_and_compute(self.scheduler.schedule_prefill(self.config.max_batch_tokens))
         if not self.lane.busy:
             chunks = self.scheduler.schedule_prefill(self.config.max_batch_tokens - len(decodes))
             self._score([c for c in chunks if c.depth is not None])

@@ -82,7 +82,6 @@ class PrefillLane:
     def __init__(self, threads: int, run: Callable[[list[Chunk]], list[ChunkResult]]):
         if threads < 1:
             raise ValueError(f"a prefill lane needs at least one thread, got {threads}")
-        self.threads = threads
         self._run = run
         self._thread = ComputeThread(name="kvsplice-prefill")
         self._thread.run(lambda: _own_thread_count(threads))
@@ -108,9 +107,8 @@ class PrefillLane:
         job = self.job
         if job is None or (not block and not job.future.done()):
             return None
-        concurrent.futures.wait([job.future])
+        error = job.future.exception()   # (waits for the job)
         self.job = None
-        error = job.future.exception()
         return TakenJob(job.chunks, None if error is not None else job.future.result(), error)
 
     def close(self) -> None:

@@ -135,7 +135,8 @@ class Policy:
 def _heads(plan: SpanPlan, count: int, old_ids: Sequence[int] = (), new_ids: Sequence[int] = ()) -> list[int]:
     """The first tokens of every relocated span, `count` shared out evenly (earlier spans first);
     the token ids are not read."""
-    spans = [[o for o in range(k.dst_pos, k.dst_end) if o not in set(plan.recomputed)] for k in plan.keeps]
+    recomputed = set(plan.recomputed)
+    spans = [[o for o in range(k.dst_pos, k.dst_end) if o not in recomputed] for k in plan.keeps]
     chosen: list[int] = []
     depth = 0
     while len(chosen) < count and any(depth < len(span) for span in spans):

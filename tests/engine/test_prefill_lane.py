@@ -14,6 +14,7 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.llm import build_engine
 from kvsplice.engine.prefill_lane import PrefillLane
+from kvsplice.engine.scheduler import Scheduler
 from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.sampling_params import SamplingParams
 
@@ -146,19 +147,29 @@ def test_a_failed_lane_job_fails_only_its_culprit(model_dir, two_threads):
     assert engine.slots_in_use() == 0
 
 
+class _FullPool:
+    """A cache whose pool has no slot to grow into until some request was preempted."""
+
+    def __init__(self, preempted: list[str]):
+        self.preempted = preempted
+
+    def grow(self, req) -> bool:
+        return bool(self.preempted)
+
+
 def test_preemption_passes_over_held_requests(model_dir):
     engine = _engine(model_dir)
-    sched = engine.scheduler
     for prompt in _prompts((8, 8)):
         engine.add_request(prompt, GREEDY)
     engine.step()
-    held = sched.running[1]
+    growing, held = engine.scheduler.running
+    preempted: list[str] = []
+    sched = Scheduler(engine.config, _FullPool(preempted), admit_fn=lambda req: True,
+                      preempt_fn=lambda req: preempted.append(req.rid))
+    sched.running = [growing, held]
     sched.held.add(held.rid)
-    victims = []
-    engine.cache.grow = lambda req: bool(victims)   # the pool is "full" until one victim went
-    sched.preempt_fn = lambda req: victims.append(req.rid)
-    assert sched._grow_or_preempt(sched.running[0], []) is False
-    assert victims == [sched.waiting[0].rid] and held.rid not in victims
+    assert sched._grow_or_preempt(growing, []) is False   # the only candidate left is itself
+    assert preempted == [growing.rid] and sched.running == [held]
 
 
 def test_the_lane_is_off_where_it_cannot_run_beside_the_engine(model_dir, two_threads):
@@ -170,7 +181,7 @@ def test_the_lane_is_off_where_it_cannot_run_beside_the_engine(model_dir, two_th
         PrefillLane(0, lambda chunks: [])
 
 
-def test_steps_beside_a_lane_job_take_the_threads_it_leaves():
+def test_steps_beside_a_lane_job_take_the_threads_it_leaves(two_threads):   # (restores the count apply sets)
     policy = ThreadPolicy(compute_threads=4, lane_threads=1)
     policy.apply(decoding=True, beside_lane=True)
     assert (policy.step_threads, policy.head_threads) == (3, 3)
@@ -179,7 +190,6 @@ def test_steps_beside_a_lane_job_take_the_threads_it_leaves():
     capped = ThreadPolicy(compute_threads=4, decode_threads=2, lane_threads=1)
     capped.apply(decoding=True, beside_lane=True)
     assert (capped.step_threads, capped.head_threads) == (2, 3)
-    torch.set_num_threads(torch.get_num_threads())
 
 
 def test_the_lane_keeps_its_own_thread_count_whatever_other_threads_set_later(two_threads):
