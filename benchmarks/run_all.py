@@ -192,7 +192,7 @@ BENCHMARKS = (
               "into the packed 4-bit matmuls, dense matmuls (the lm_head over the 49,152-token vocabulary), "
               "attention and the remaining small ops."),
     Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
-              "python benchmarks/vs_llamacpp.py --out runs/vs_llamacpp.json",
+              "python benchmarks/vs_llamacpp.py --kvsplice-args=--compile-decode --out runs/vs_llamacpp.json",
               "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold prefill "
               "(2K, 8K), decode tokens/s for 1 stream and 8 streams aggregate (llama-server -np 8), inter-token "
               "latency of a decoding stream while 4 others prefill 2K-token prompts, TTFT of edited turns (SCR "

@@ -52,6 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "data, e.g. a Q4_0 / Q4_1 GGUF, with bf16), dense, int8, int4 (default auto)")
     group.add_argument("--no-fast-path", action="store_true",
                        help="run every step on the reference Decoder (no fused / packed fast path)")
+    group.add_argument("--compile-decode", action="store_true",
+                       help="compile decode-only steps with torch.compile (inductor, C++ wrapper): fewer "
+                            "per-op dispatches per token; start-up compiles first (minutes on 2 cores, under a "
+                            "minute once inductor's cache holds it); needs int4 / int8 weights and a C++ compiler")
     group.add_argument("--decode-arena-tokens", type=int, default=None,
                        help="bound (tokens) of the contiguous K/V copies of decoding requests; 0 = off")
     group.add_argument("--step-budget-ratio", type=float, default=None,
@@ -134,7 +138,7 @@ def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
                               "decode_threads": decode_threads, "prefill_lane_threads": lane_threads,
                               "prefix_cache": not args.no_prefix_cache, "fast_path": not args.no_fast_path,
-                              "reuse": reuse_config_from_args(args, environ)}
+                              "compile_decode": args.compile_decode, "reuse": reuse_config_from_args(args, environ)}
     for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots",
                  "weight_format", "decode_arena_tokens", "step_budget_ratio", "min_prefill_tokens"):
         value = getattr(args, name)

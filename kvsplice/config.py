@@ -32,6 +32,10 @@ class EngineConfig:
         is int4 data (a GGUF Q4_0 / Q4_1) and the activations are bf16.
     fast_path: run eligible models through `kvsplice.models.fast_decode.FastDecoder` (fused,
         packed, decode over the DecodeArena); False: the reference Decoder for every step.
+    compile_decode: compile the fast path's decode-only steps with torch.compile
+        (`kvsplice.models.compiled_decode`; needs the fast path, the DecodeArena, int4 / int8
+        projections and a C++ compiler). Building the engine then compiles first: minutes on
+        2 cores, under a minute with inductor's on-disk cache warm.
     decode_arena_tokens: bound of the DecodeArena (rows x capacity, tokens), the contiguous
         copies of decoding requests' K/V; 0 disables it (decode rows gather from the pool).
     step_budget_ratio: without a prefill lane, while requests decode, a step's prefill share is
@@ -61,6 +65,7 @@ class EngineConfig:
     num_state_slots: int | None = None
     weight_format: str = "auto"
     fast_path: bool = True
+    compile_decode: bool = False
     decode_arena_tokens: int = 32_768
     step_budget_ratio: float = 2.5
     min_prefill_tokens: int = 16

@@ -70,6 +70,11 @@ def test_prefill_lane_threads_auto_is_one_thread_where_there_are_two():
     assert engine_config_from_args(_serve_args("--prefill-lane-threads", "3"), {}).prefill_lane_threads == 3
 
 
+def test_compile_decode_flag():
+    assert engine_config_from_args(_serve_args("--compile-decode"), {}).compile_decode is True
+    assert engine_config_from_args(_serve_args(), {}).compile_decode is False
+
+
 def test_workload_dispatch(tmp_path, capsys):
     out = tmp_path / "trace.jsonl"
     assert main(["workload", "--out", str(out), "--conversations", "1", "--seed", "0", "--min-tokens", "100",

@@ -29,6 +29,12 @@ from kvsplice.engine.request import Req
 _CAPACITY_STEP = 256
 
 
+def by_position(layer_kv: torch.Tensor) -> torch.Tensor:
+    """A layer's `[rows, kv_heads, capacity, head_dim]` K or V as a `[rows, capacity, kv_heads,
+    head_dim]` view, in which one (row, position) pair indexes a token's K/V."""
+    return layer_kv.permute(0, 2, 1, 3)
+
+
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -37,12 +43,17 @@ class DecodeArena:
     """Rows of contiguous K/V for decoding requests (see the module docstring).
 
     `lengths[r]` counts the positions of row r that hold K/V once the current step has run.
+    `min_rows`: once allocated, k / v hold at least this many rows (2 for the compiled decode step,
+    whose graphs take an arena of 2 rows or more; see kvsplice.models.compiled_decode).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 max_tokens: int, device: str | torch.device = "cpu"):
+                 max_tokens: int, device: str | torch.device = "cpu", min_rows: int = 1):
+        if min_rows < 1:
+            raise ValueError(f"min_rows must be at least 1, got {min_rows}")
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device, self.max_tokens = dtype, device, max_tokens
+        self.min_rows = min_rows
         self.reqs: list[Req] = []
         self.lengths: list[int] = []
         self.k: torch.Tensor | None = None
@@ -53,17 +64,18 @@ class DecodeArena:
     def _allocate(self, rows: int, capacity: int) -> None:
         """(Re)allocate k/v for `rows` x `capacity`, keeping the rows in use."""
         layers, heads, dim = self.shape
-        k = torch.zeros(layers, rows, heads, capacity, dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
+        with torch.inference_mode(False):   # normal tensors, as the pool's, even when a step grows it
+            k = torch.zeros(layers, rows, heads, capacity, dim, dtype=self.dtype, device=self.device)
+            v = torch.zeros_like(k)
         if self.k is not None and self.reqs:
             used, old_cap = len(self.reqs), self.k.shape[3]
             keep = min(old_cap, capacity)
             k[:, :used, :, :keep] = self.k[:, :used, :, :keep]
             v[:, :used, :, :keep] = self.v[:, :used, :, :keep]
         self.k, self.v = k, v
-        # [rows, capacity, heads, dim] views: one (row, position) pair indexes a token's K/V
-        self.k_by_pos = [k[layer].permute(0, 2, 1, 3) for layer in range(layers)]
-        self.v_by_pos = [v[layer].permute(0, 2, 1, 3) for layer in range(layers)]
+        with torch.inference_mode(False):   # normal views too (the compiled decode step takes them)
+            self.k_by_pos = tuple(by_position(k[layer]) for layer in range(layers))
+            self.v_by_pos = tuple(by_position(v[layer]) for layer in range(layers))
 
     @property
     def rows(self) -> int:
@@ -130,6 +142,7 @@ class DecodeArena:
 
     def _grow(self, rows: int, capacity: int) -> None:
         """Make room for `rows` rows of `capacity` positions, growing geometrically."""
+        rows = max(rows, self.min_rows)
         new_rows = max(self.rows, 1)
         while new_rows < rows:
             new_rows *= 2
@@ -144,7 +157,7 @@ class DecodeArena:
     def _add(self, req: Req, pool: KVPool) -> bool:
         """Give `req` the next row, filled with the K/V of its positions [0, seq_len - 1)."""
         rows, capacity = len(self.reqs) + 1, max([req.seq_len] + [r.seq_len for r in self.reqs])
-        if not self._fits(rows, _round_up(capacity, _CAPACITY_STEP)):
+        if not self._fits(max(rows, self.min_rows), _round_up(capacity, _CAPACITY_STEP)):
             return False
         self._grow(rows, capacity)
         row, filled = len(self.reqs), req.seq_len - 1

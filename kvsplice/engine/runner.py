@@ -66,10 +66,17 @@ class ModelRunner:
             self.weight_format = resolve_weight_format(config.weight_format, model)
             apply_weight_format(model, self.weight_format)
             if config.fast_path and states is None and FastDecoder.supports(model.cfg):
-                self.fast = FastDecoder(model, self.weight_format.projections, self.weight_format.lm_head)
-                if config.decode_arena_tokens:
+                if config.compile_decode and not config.decode_arena_tokens:
+                    raise ValueError("--compile-decode needs the DecodeArena (--decode-arena-tokens above 0)")
+                self.fast = FastDecoder(model, self.weight_format.projections, self.weight_format.lm_head,
+                                        compile_decode=config.compile_decode)
+                if config.decode_arena_tokens:   # the compiled graphs take arenas of 2 rows or more
                     self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
-                                             config.decode_arena_tokens, device=pool.k.device)
+                                             config.decode_arena_tokens, device=pool.k.device,
+                                             min_rows=2 if config.compile_decode else 1)
+        if config.compile_decode and self.fast is None:
+            raise ValueError("--compile-decode needs the fast path: an attention-only model without sliding "
+                             "windows, and no --no-fast-path")
 
     def build_batch(self, chunks: list[Chunk], use_arena: bool = True) -> tuple[ForwardBatch, list[dict[int, int]]]:
         """Flatten chunks into a ForwardBatch; also returns, per chunk (in `chunks` order),
@@ -143,7 +150,7 @@ class ModelRunner:
                 self.failpoints.check("forward", [c.req.rid for c in chunks])
             decode_rows = sum(1 for c in chunks if c.req.is_decoding and len(c.offsets) == 1)
             self.threads.apply(decoding=decode_rows > 0, beside_lane=beside_lane)
-            logits = self._forward(batch)
+            logits = self._forward(batch, beside_lane)
         except BaseException:
             if self.arena is not None:
                 self.arena.clear()   # its rows may be half written; they refill from the pool
@@ -171,9 +178,10 @@ class ModelRunner:
         logits = self.fast.logits(self.fast.final_hidden(batch, self.pool))
         return self._results(chunks, logits, rows_per_chunk)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, beside_lane: bool) -> torch.Tensor:
         if self.fast is not None:
-            hidden = self.fast.final_hidden(batch, self.pool, self.arena)
+            # beside a lane job the eager step is the faster one (measured: docs/benchmarks/vs_llamacpp.notes.md)
+            hidden = self.fast.final_hidden(batch, self.pool, self.arena, allow_compiled=not beside_lane)
             self.threads.apply_head()
             return self.fast.logits(hidden)
         if self.states is None:

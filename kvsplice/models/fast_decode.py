@@ -34,12 +34,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.decode_arena import DecodeArena
+from kvsplice.engine.decode_arena import DecodeArena, by_position
 from kvsplice.engine.forward_batch import ForwardBatch
 from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
                                       paged_attention_reference, plan_sequences)
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
 from kvsplice.layers.quant_linear import PackedLinear
+from kvsplice.models.compiled_decode import CompiledDecode
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 
@@ -112,7 +113,8 @@ class FastDecoder:
     own weights must already be rounded to that format, see `kvsplice.models.quantize`).
     Construction re-points `model`'s projection weights to views of the fused copies (`_fuse`)."""
 
-    def __init__(self, model: Decoder, weight_format: str = "dense", lm_head_format: str | None = None):
+    def __init__(self, model: Decoder, weight_format: str = "dense", lm_head_format: str | None = None,
+                 compile_decode: bool = False):
         cfg = model.cfg
         if not self.supports(cfg):
             raise ValueError(f"{cfg.model_type}: the fast path needs an attention-only model without "
@@ -128,6 +130,7 @@ class FastDecoder:
         self.eps = cfg.rms_norm_eps
         self.q_width = cfg.num_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.compiled = self._compile() if compile_decode else None
 
     @staticmethod
     def supports(cfg: ModelConfig) -> bool:
@@ -149,6 +152,17 @@ class FastDecoder:
             gate_up=_fuse([mlp.gate_proj, mlp.up_proj], fmt),
             down=_fuse([mlp.down_proj], fmt))
 
+    def _compile(self) -> CompiledDecode:
+        """The compiled decode step (blocks while it compiles). It needs packed projections: the
+        dense ones call oneDNN's prepacked weights, which inductor cannot trace."""
+        linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        if any(linear.packed is None for linear in linears):
+            raise ValueError("--compile-decode needs int4 or int8 projections (--weight-format int4|int8|auto "
+                             "on a checkpoint whose weights it packs)")
+        cfg = self.cfg
+        return CompiledDecode(self.arena_decode_hidden, min(linear.small_batch_rows for linear in linears),
+                              cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.embed.dtype)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None) -> torch.Tensor:
         """Same contract as `Decoder.forward` (fp32 logits of `batch.logit_rows`; writes every
@@ -156,10 +170,19 @@ class FastDecoder:
         `arena` rows 0..arena_rows-1 and their K/V is also written there."""
         return self.logits(self.final_hidden(batch, pool, arena))
 
-    def final_hidden(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None) -> torch.Tensor:
-        """`forward` up to the lm_head: the final-normed hidden states of `batch.logit_rows`."""
+    def final_hidden(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None,
+                     allow_compiled: bool = True) -> torch.Tensor:
+        """`forward` up to the lm_head: the final-normed hidden states of `batch.logit_rows`. A
+        batch of arena decode rows only runs on the compiled step where there is one, it covers
+        the batch and `allow_compiled`."""
         if pool.k.dtype != self.embed.dtype:
             raise ValueError(f"the pool holds {pool.k.dtype}, the model computes in {self.embed.dtype}")
+        if allow_compiled and self._compiled_covers(batch, arena):
+            lengths = arena.lengths[:batch.arena_rows]
+            mask = length_mask(torch.tensor(lengths), max(lengths))
+            hidden = self.compiled(batch.input_ids, batch.positions, batch.out_slots, mask,
+                                   *pool.layer_views(), arena.k_by_pos, arena.v_by_pos)
+            return hidden[batch.logit_rows]
         hidden = F.embedding(batch.input_ids, self.embed)
         cos, sin_signed = _rope_tables(*self.rotary.cos_sin(batch.positions))
         decode = self._decode_step(batch, arena)
@@ -168,6 +191,45 @@ class FastDecoder:
         for layer_id, layer in enumerate(self.layers):
             hidden = self._layer(layer_id, layer, hidden, cos, sin_signed, batch, pool, arena, decode, plans)
         return rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
+
+    def arena_decode_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
+                            mask: torch.Tensor, pool_k: tuple[torch.Tensor, ...], pool_v: tuple[torch.Tensor, ...],
+                            arena_k: tuple[torch.Tensor, ...], arena_v: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`final_hidden` of a batch that is arena decode rows only, from plain tensors: the
+        function `kvsplice.models.compiled_decode` compiles (no Python objects that change
+        between steps, so one graph serves every step).
+
+        Rows 0..B-1 of the arena decode `input_ids [B]` at `positions [B]`; `mask` is
+        `length_mask(lengths, width)` for their context lengths and longest context `width`.
+        Writes each row's K/V into the pool's layers `pool_k / pool_v` (`KVPool.layer_views`,
+        `[slots, Hkv, D]` each) at `out_slots` and into the arena's (`DecodeArena.k_by_pos / v_by_pos`,
+        `[rows, capacity, Hkv, D]` each) at (row, position), as `final_hidden` does. Each write goes
+        straight into an input tensor, so that the compiled graph updates it in place (a write
+        into a view made inside the graph makes inductor copy the whole buffer back)."""
+        count, width = input_ids.shape[0], mask.shape[-1]
+        rows = torch.arange(count)
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin_signed = _rope_tables(*self.rotary.cos_sin(positions))
+        for layer_id, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, hidden, cos, sin_signed)
+            pool_k[layer_id].index_copy_(0, out_slots, k)
+            pool_v[layer_id].index_copy_(0, out_slots, v)
+            arena_k[layer_id].index_put_((rows, positions), k)
+            arena_v[layer_id].index_put_((rows, positions), v)
+            # back to [rows, Hkv, capacity, D] (by_position is its own inverse), the rows' contexts
+            k_rows, v_rows = (by_position(kv[layer_id])[:count, :, :width] for kv in (arena_k, arena_v))
+            attended = contiguous_decode_attention(q, k_rows, v_rows, mask, self.scale)
+            hidden = self._out_and_mlp(layer, hidden, attended)
+        return rms_norm_via_layer_norm(hidden, self.final_norm, self.eps)
+
+    def _compiled_covers(self, batch: ForwardBatch, arena: Optional[DecodeArena]) -> bool:
+        """True when `batch` is arena decode rows only and a compiled graph takes them."""
+        count = batch.arena_rows
+        if self.compiled is None or count == 0 or batch.seqs or count != batch.input_ids.shape[0]:
+            return False
+        if arena is None:
+            return False
+        return self.compiled.covers(count, max(arena.lengths[:count]), arena.rows, arena.capacity)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of `final_hidden`'s rows (the lm_head)."""
@@ -191,6 +253,14 @@ class FastDecoder:
     def _layer(self, layer_id: int, layer: FastLayer, hidden: torch.Tensor, cos, sin_signed,
                batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena],
                decode: Optional[DecodeStep], plans: tuple[SequencePlan, ...]) -> torch.Tensor:
+        q, k, v = self._qkv(layer, hidden, cos, sin_signed)
+        pool.k_layer(layer_id).index_copy_(0, batch.out_slots, k)
+        pool.v_layer(layer_id).index_copy_(0, batch.out_slots, v)
+        attended = self._attention(layer_id, q, k, v, batch, pool, arena, decode, plans)
+        return self._out_and_mlp(layer, hidden, attended)
+
+    def _qkv(self, layer: FastLayer, hidden: torch.Tensor, cos, sin_signed):
+        """q `[T, Hq, D]`, k and v `[T, Hkv, D]` of `hidden [T, H]`: norm, fused projection, RoPE."""
         cfg, rows = self.cfg, hidden.shape[0]
         qkv = layer.qkv(rms_norm_via_layer_norm(hidden, layer.input_norm, self.eps))
         heads = qkv.view(rows, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)   # [q heads | k | v]
@@ -198,15 +268,14 @@ class FastDecoder:
         v = heads[:, k_end:]
         if layer.q_norm is None:   # q and k side by side: one rotation for both
             qk = fast_rope(heads[:, :k_end], cos, sin_signed)
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-        else:
-            q = rms_norm_via_layer_norm(heads[:, :cfg.num_heads], layer.q_norm, self.eps)
-            k = rms_norm_via_layer_norm(heads[:, cfg.num_heads:k_end], layer.k_norm, self.eps)
-            q, k = fast_rope(q, cos, sin_signed), fast_rope(k, cos, sin_signed)
-        pool.k_layer(layer_id).index_copy_(0, batch.out_slots, k)
-        pool.v_layer(layer_id).index_copy_(0, batch.out_slots, v)
-        attended = self._attention(layer_id, q, k, v, batch, pool, arena, decode, plans)
-        hidden = hidden + layer.o_proj(attended.reshape(rows, self.q_width))
+            return qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v
+        q = rms_norm_via_layer_norm(heads[:, :cfg.num_heads], layer.q_norm, self.eps)
+        k = rms_norm_via_layer_norm(heads[:, cfg.num_heads:k_end], layer.k_norm, self.eps)
+        return fast_rope(q, cos, sin_signed), fast_rope(k, cos, sin_signed), v
+
+    def _out_and_mlp(self, layer: FastLayer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention: o_proj and residual, then the gated MLP and residual."""
+        hidden = hidden + layer.o_proj(attended.reshape(hidden.shape[0], self.q_width))
         gate_up = layer.gate_up(rms_norm_via_layer_norm(hidden, layer.post_norm, self.eps))
         width = gate_up.shape[1] // 2
         return hidden + layer.down(F.silu(gate_up[:, :width]) * gate_up[:, width:])

@@ -83,3 +83,13 @@ def test_memory_bound_leaves_requests_out(torch_seed):
     assert held == reqs[:2] and arena.rows * arena.capacity <= 512
     arena.clear()
     assert arena.assign([], pool) == [] and arena.rows == 0
+
+
+def test_min_rows_holds_at_least_that_many_rows(torch_seed):
+    """The compiled decode step's graphs take arenas of 2 rows or more: one request still gets 2."""
+    pool, arena = _pool(), DecodeArena(LAYERS, HEADS, DIM, torch.float32, max_tokens=10_000, min_rows=2)
+    req = _req(5, torch.randperm(2048)[:5])
+    assert arena.assign([req], pool) == [req]
+    assert arena.rows == 2 and arena.lengths == [5] and _row_matches_pool(arena, 0, req, pool, 4)
+    tight = DecodeArena(LAYERS, HEADS, DIM, torch.float32, max_tokens=300, min_rows=2)
+    assert tight.assign([_req(200, torch.randperm(2048)[:200])], pool) == []   # 2 rows x 256 do not fit

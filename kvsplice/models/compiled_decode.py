@@ -1,0 +1,119 @@
+"""CompiledDecode: a FastDecoder decode step as one compiled call (`kvsplice serve --compile-decode`).
+
+Why: a one-row decode step of the default model (30 layers) is about 3,700 eager aten calls. The
+4-bit matmuls and SDPA are a fixed cost; the rest (norms, RoPE, residual adds, the gated MLP's
+pointwise ops, the K/V writes and the views between them) is dispatch overhead. torch.compile
+(inductor) fuses the pointwise ops into C++ loops and, with its C++ wrapper (`cpp_wrapper`), calls
+every kernel from C++ rather than from Python. Measured on 2 Sapphire Rapids cores, one row at
+a 500-token context: 17.5 ms eager, 13 ms compiled (see docs/BENCHMARKS.md for the served figures).
+
+What is compiled: `FastDecoder.arena_decode_hidden`, the forward of a batch that is DecodeArena rows
+only, from plain tensors, up to the final norm (the lm_head and sampling stay eager). Batches with
+prefill or non-arena rows, more rows than the packed kernels take (`max_rows`), or a context of one
+token run eagerly as before.
+
+Graphs and compile time. Only the sizes that change between steps are symbolic (marked dynamic on
+the scratch tensors the graphs are traced with): the row count, the context width (the mask's last
+dimension), the pool's slot count and the arena's rows and capacity. Weights and model sizes stay
+static, so the kernels are specialised to them. dynamo specialises a dimension of size 1, so one row
+and 2..max_rows rows are two graphs, and the arena must hold at least two rows
+(`DecodeArena(min_rows=2)`). Both graphs are compiled when this object is built, on scratch tensors
+(nothing of the engine's pool or arena is touched), so no request waits for a compile: minutes on
+2 cores the first time, well under a minute once inductor's on-disk cache holds them. Afterwards every call runs under
+`set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
+runs, and runs eagerly instead (`fallbacks` counts them), so serving never stalls on a compile.
+
+Numerics: the fused kernels keep fp32 intermediates that the eager bf16 ops round (for example
+silu(gate) before the product), so results differ from the eager fast path by bf16 rounding, not
+bit for bit; the tests bound the difference and `kvsplice fidelity` measures its KL.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from kvsplice.engine.decode_arena import by_position
+from kvsplice.layers.attention import length_mask
+
+_log = logging.getLogger(__name__)
+DecodeFn = Callable[..., torch.Tensor]   # FastDecoder.arena_decode_hidden's signature
+# cpp_wrapper: the kernels are called from C++, not Python (most of the gain at one row);
+# cpp.dynamic_threads: the C++ loops take their OpenMP thread count at run time, not at compile
+# time, so a step beside the prefill lane keeps to the threads ThreadPolicy gives it.
+_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp.dynamic_threads": True}
+# dynamo's message (a RuntimeError) when a call would need a new graph under this stance
+_RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
+
+
+class CompiledDecode:
+    """`decode_fn` (FastDecoder.arena_decode_hidden) compiled for 1 and for 2..`max_rows` rows.
+
+    Construction compiles both graphs (blocking; see the module docstring). `covers` says whether
+    a step can use them; `__call__` takes decode_fn's arguments and returns its result, compiled
+    where a graph covers the call, eager otherwise.
+    """
+
+    def __init__(self, decode_fn: DecodeFn, max_rows: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        self.eager = decode_fn
+        self.max_rows = max_rows
+        self.compiled_steps = 0   # calls a compiled graph ran
+        self.fallbacks = 0        # calls no graph covered, run eagerly
+        self._compiled = torch.compile(decode_fn, fullgraph=True, options=_INDUCTOR_OPTIONS)
+        self._warm_up(num_layers, num_kv_heads, head_dim, dtype)
+
+    def covers(self, count: int, width: int, arena_rows: int, capacity: int) -> bool:
+        """True when a step of `count` arena rows with longest context `width`, in an arena of
+        `arena_rows` rows of `capacity` positions, has a graph. The graphs were traced with
+        2 <= width < capacity and at least two arena rows; the other cases (a size of 1, a context
+        that exactly fills the capacity, about one step in 256) would each need a graph of their own."""
+        return 1 <= count <= self.max_rows and 2 <= width < capacity and arena_rows >= 2
+
+    def __call__(self, *args) -> torch.Tensor:
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                hidden = self._compiled(*args)
+            self.compiled_steps += 1
+            return hidden
+        except RuntimeError as err:   # raised by the guards, before the graph runs: nothing written yet
+            if _RECOMPILE_REFUSED not in str(err):
+                raise
+            if not self.fallbacks:
+                _log.warning("compiled decode: a step no graph covers runs eagerly (counted in fallbacks): %s", err)
+            self.fallbacks += 1
+            return self.eager(*args)
+
+    def _warm_up(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Compile both graphs on scratch tensors, with the dimensions that vary between steps
+        marked dynamic. Their sizes are distinct and above 1 (dynamo specialises size 1 and
+        merges symbols whose sizes are equal when it traces). The scratch pool and arena are
+        normal tensors, as the KVPool's and DecodeArena's are, and the step's own tensors are made
+        in inference mode, as the engine's steps make them (the guards check which kind each is)."""
+        slots, arena_rows, capacity = 61, self.max_rows + 3, 37
+        # laid out as KVPool and DecodeArena lay theirs out: K and V each one tensor of all layers
+        # (the guards check which inputs share storage, and where each starts in it)
+        pool_k, pool_v = (torch.zeros(num_layers, slots, num_kv_heads, head_dim, dtype=dtype).unbind(0)
+                          for _ in range(2))
+        arenas = (torch.zeros(num_layers, arena_rows, num_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(2))
+        arena_k, arena_v = (tuple(by_position(kv[layer]) for layer in range(num_layers)) for kv in arenas)
+        for tensor in (*pool_k, *pool_v):
+            torch._dynamo.mark_dynamic(tensor, 0)
+        for tensor in (*arena_k, *arena_v):
+            torch._dynamo.mark_dynamic(tensor, 0)
+            torch._dynamo.mark_dynamic(tensor, 1)
+        for count in ((1,) if self.max_rows == 1 else (1, 2)):
+            with torch.inference_mode():
+                lengths = torch.tensor([7 + row for row in range(count)])
+                step = (torch.zeros(count, dtype=torch.int64), lengths - 1, torch.arange(count) + 5,
+                        length_mask(lengths, 7 + count))
+            torch._dynamo.mark_dynamic(step[3], 3)
+            if count > 1:
+                for tensor in step:
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            with torch.inference_mode():
+                self._compiled(*step, pool_k, pool_v, arena_k, arena_v)
