@@ -4,13 +4,17 @@ Why: a one-row decode step of the default model (30 layers) is about 3,700 eager
 4-bit matmuls and SDPA are a fixed cost; the rest (norms, RoPE, residual adds, the gated MLP's
 pointwise ops, the K/V writes and the views between them) is dispatch overhead. torch.compile
 (inductor) fuses the pointwise ops into C++ loops and, with its C++ wrapper (`cpp_wrapper`), calls
-every kernel from C++ rather than from Python. Measured on 2 Sapphire Rapids cores, one row at
-a 500-token context: 17.5 ms eager, 13 ms compiled (see docs/BENCHMARKS.md for the served figures).
+every kernel from C++ rather than from Python. Measured on 2 Intel Xeon cores (avx512_bf16, AMX),
+the engine alone, one row at a 500-token context: 21.6-22.5 ms a step eager, 17.5-19.6 compiled;
+served, 1.09-1.15x the tokens/s of one stream and 1.16-1.25x of 8 (docs/BENCHMARKS.md).
 
 What is compiled: `FastDecoder.arena_decode_hidden`, the forward of a batch that is DecodeArena rows
 only, from plain tensors, up to the final norm (the lm_head and sampling stay eager). Batches with
 prefill or non-arena rows, more rows than the packed kernels take (`max_rows`), or a context of one
 token run eagerly as before.
+
+Beside a prefill-lane job the runner keeps the eager step (`allow_compiled=False`): measured, it
+was the faster one there (28.0-30.6 ms p50 against 29.7-33.2).
 
 Graphs and compile time. Only the sizes that change between steps are symbolic (marked dynamic on
 the scratch tensors the graphs are traced with): the row count, the context width (the mask's last
@@ -18,8 +22,8 @@ dimension), the pool's slot count and the arena's rows and capacity. Weights and
 static, so the kernels are specialised to them. dynamo specialises a dimension of size 1, so one row
 and 2..max_rows rows are two graphs, and the arena must hold at least two rows
 (`DecodeArena(min_rows=2)`). Both graphs are compiled when this object is built, on scratch tensors
-(nothing of the engine's pool or arena is touched), so no request waits for a compile: minutes on
-2 cores the first time, well under a minute once inductor's on-disk cache holds them. Afterwards every call runs under
+(nothing of the engine's pool or arena is touched), so no request waits for a compile: for the default model 290-450 s
+on 2 cores the first time, about 30 s once inductor's on-disk cache holds them. Afterwards every call runs under
 `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
 runs, and runs eagerly instead (`fallbacks` counts them), so serving never stalls on a compile.
 
