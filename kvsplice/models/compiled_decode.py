@@ -10,8 +10,9 @@ served, 1.09-1.15x the tokens/s of one stream and 1.16-1.25x of 8 (docs/BENCHMAR
 
 What is compiled: `FastDecoder.arena_decode_hidden`, the forward of a batch that is DecodeArena rows
 only, from plain tensors, up to the final norm (the lm_head and sampling stay eager). Batches with
-prefill or non-arena rows, more rows than the packed kernels take (`max_rows`), or a context of one
-token run eagerly as before.
+prefill or non-arena rows, more rows than the packed kernels take (`max_rows`), a context of one
+token, or a longest context that exactly fills the arena's capacity (about one step in 256) run
+eagerly as before.
 
 Beside a prefill-lane job the runner keeps the eager step (`allow_compiled=False`): measured, it
 was the faster one there (28.0-30.6 ms p50 against 29.7-33.2).
@@ -22,14 +23,15 @@ dimension), the pool's slot count and the arena's rows and capacity. Weights and
 static, so the kernels are specialised to them. dynamo specialises a dimension of size 1, so one row
 and 2..max_rows rows are two graphs, and the arena must hold at least two rows
 (`DecodeArena(min_rows=2)`). Both graphs are compiled when this object is built, on scratch tensors
-(nothing of the engine's pool or arena is touched), so no request waits for a compile: for the default model 290-450 s
-on 2 cores the first time, about 30 s once inductor's on-disk cache holds them. Afterwards every call runs under
-`set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
+(nothing of the engine's pool or arena is touched), so no request waits for a compile: for the
+default model 290-450 s on 2 cores the first time, about 30 s once inductor's on-disk cache holds
+them. Afterwards every call runs under `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
 runs, and runs eagerly instead (`fallbacks` counts them), so serving never stalls on a compile.
 
 Numerics: the fused kernels keep fp32 intermediates that the eager bf16 ops round (for example
 silu(gate) before the product), so results differ from the eager fast path by bf16 rounding, not
-bit for bit; the tests bound the difference and `kvsplice fidelity` measures its KL.
+bit for bit. The tests bound the difference; on the default model it is the size of the engine's
+own bf16 noise between batch compositions (docs/BENCHMARKS.md). Prefill never uses this step.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ _log = logging.getLogger(__name__)
 DecodeFn = Callable[..., torch.Tensor]   # FastDecoder.arena_decode_hidden's signature
 # cpp_wrapper: the kernels are called from C++, not Python (most of the gain at one row);
 # cpp.dynamic_threads: the C++ loops take their OpenMP thread count at run time, not at compile
-# time, so a step beside the prefill lane keeps to the threads ThreadPolicy gives it.
+# time, so a step keeps to the threads ThreadPolicy gives it (--decode-threads).
 _INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp.dynamic_threads": True}
 # dynamo's message (a RuntimeError) when a call would need a new graph under this stance
 _RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
