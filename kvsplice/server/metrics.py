@@ -56,6 +56,9 @@ _ENGINE_COUNTERS = (
     ("requests_finished", "kvsplice_engine_requests_finished", "requests finished by the engine"),
     ("requests_aborted", "kvsplice_engine_requests_aborted", "requests aborted in the engine"),
     ("requests_failed", "kvsplice_engine_requests_failed", "requests that failed inside the engine (an unexpected error; the engine served on)"),
+    ("compiled_decode_steps", "kvsplice_compiled_decode_steps", "decode steps run on the compiled graphs (--compile-decode)"),
+    ("compiled_decode_fallbacks", "kvsplice_compiled_decode_fallbacks",
+     "decode steps the compiled graphs' guards refused, run eagerly instead of recompiling (--compile-decode)"),
 )
 
 
@@ -87,8 +90,11 @@ class EngineSnapshot:
 def take_snapshot(engine) -> EngineSnapshot:
     """Read `engine`'s counters and pool state. Call it on the engine thread (AsyncEngine.call): the
     radix tree and queues are not safe to read while a step runs."""
+    compiled = engine.runner.fast.compiled if engine.runner.fast is not None else None
     return EngineSnapshot(
-        counters=dataclasses.asdict(engine.counters),
+        counters={**dataclasses.asdict(engine.counters),
+                  "compiled_decode_steps": compiled.compiled_steps if compiled is not None else 0,
+                  "compiled_decode_fallbacks": compiled.fallbacks if compiled is not None else 0},
         num_running=engine.num_running(),
         num_waiting=engine.num_waiting(),
         slots_total=engine.config.num_slots,

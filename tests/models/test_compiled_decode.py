@@ -14,6 +14,7 @@ from kvsplice.engine.decode_arena import DecodeArena
 from kvsplice.engine.llm import LLM, build_engine
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.server.metrics import take_snapshot
 
 from tests.models.test_fast_decode import _decode_batches, _model, _prefill, _req
 
@@ -151,6 +152,9 @@ def test_the_engine_generates_with_compiled_steps(model_dir, compiled_engine):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:agreed], b.logprobs[:agreed])) <= 0.05
     assert compiled.compiled_steps - before >= GREEDY.max_tokens - 2 and compiled.fallbacks == fallbacks
     assert compiled_engine.runner.arena.rows >= 2
+    counters = take_snapshot(compiled_engine).counters   # what /metrics exports
+    assert (counters["compiled_decode_steps"], counters["compiled_decode_fallbacks"]) == (
+        compiled.compiled_steps, compiled.fallbacks)
     compiled_engine.check_integrity()
 
 

@@ -178,7 +178,8 @@ def test_metrics_exposition(server, client):
                  "kvsplice_time_to_first_token_seconds_bucket", "kvsplice_kv_slots_in_use", "kvsplice_kv_slots_free",
                  "kvsplice_kv_slots_cached", "kvsplice_num_requests_running", "kvsplice_num_requests_waiting",
                  "kvsplice_prefix_cache_hit_ratio", "kvsplice_prefix_tokens_total", "kvsplice_relocated_tokens_total",
-                 "kvsplice_prefilled_tokens_total", "kvsplice_relocated_spans_total", "kvsplice_decode_arena_bytes"):
+                 "kvsplice_prefilled_tokens_total", "kvsplice_relocated_spans_total", "kvsplice_decode_arena_bytes",
+                 "kvsplice_compiled_decode_steps_total", "kvsplice_compiled_decode_fallbacks_total"):
         assert name in text, name
     assert server.metric("kvsplice_prompt_tokens_total") > 0
     assert server.metric("kvsplice_decode_arena_bytes") > 0   # the second token was decoded over the arena
