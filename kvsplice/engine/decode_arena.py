@@ -138,7 +138,8 @@ class DecodeArena:
         self.v_by_pos[layer].index_put_((rows, positions), v)
 
     def _fits(self, rows: int, capacity: int) -> bool:
-        return rows * capacity <= self.max_tokens
+        """True when `rows` rows (at least min_rows are allocated) of `capacity` stay in max_tokens."""
+        return max(rows, self.min_rows) * capacity <= self.max_tokens
 
     def _grow(self, rows: int, capacity: int) -> None:
         """Make room for `rows` rows of `capacity` positions, growing geometrically."""
@@ -157,7 +158,7 @@ class DecodeArena:
     def _add(self, req: Req, pool: KVPool) -> bool:
         """Give `req` the next row, filled with the K/V of its positions [0, seq_len - 1)."""
         rows, capacity = len(self.reqs) + 1, max([req.seq_len] + [r.seq_len for r in self.reqs])
-        if not self._fits(max(rows, self.min_rows), _round_up(capacity, _CAPACITY_STEP)):
+        if not self._fits(rows, _round_up(capacity, _CAPACITY_STEP)):
             return False
         self._grow(rows, capacity)
         row, filled = len(self.reqs), req.seq_len - 1

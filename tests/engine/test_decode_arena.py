@@ -93,3 +93,11 @@ def test_min_rows_holds_at_least_that_many_rows(torch_seed):
     assert arena.rows == 2 and arena.lengths == [5] and _row_matches_pool(arena, 0, req, pool, 4)
     tight = DecodeArena(LAYERS, HEADS, DIM, torch.float32, max_tokens=300, min_rows=2)
     assert tight.assign([_req(200, torch.randperm(2048)[:200])], pool) == []   # 2 rows x 256 do not fit
+    grows = DecodeArena(LAYERS, HEADS, DIM, torch.float32, max_tokens=600, min_rows=2)
+    long = _req(250, torch.randperm(2048)[:250])
+    assert grows.assign([long], pool) == [long]
+    for slot in range(10):   # past 256 positions: 2 rows x 512 would break the bound, so the row goes
+        _grow(long, 1900 + slot)
+        held = grows.assign([long], pool)
+        assert grows.rows * grows.capacity <= 600
+    assert held == []
