@@ -116,7 +116,7 @@ class CompiledDecode:
             with torch.inference_mode():
                 lengths = torch.tensor([7 + row for row in range(count)])
                 step = (torch.zeros(count, dtype=torch.int64), lengths - 1, torch.arange(count) + 5,
-                        length_mask(lengths, 7 + count))
+                        length_mask(lengths, 6 + count))   # the longest context, as the engine's masks
             torch._dynamo.mark_dynamic(step[3], 3)
             if count > 1:
                 for tensor in step:

@@ -19,6 +19,9 @@ Per layer, T rows (decode rows first):
                                             other rows:   paged_attention_reference (planned once)
       -> o_proj + h -> rms_norm -> gate|up -> silu(gate) * up -> down + h
 
+With `compile_decode`, a batch of arena decode rows only runs instead as one compiled graph of
+`arena_decode_hidden` (kvsplice.models.compiled_decode); this eager path stays its reference.
+
 Eligible models (`FastDecoder.supports`): every layer full attention without a sliding window or
 output gate, full-width RoPE, plain RMSNorm; optional q/k norm (qwen3) and biases. Others use the
 Decoder for every batch.
@@ -225,9 +228,7 @@ class FastDecoder:
     def _compiled_covers(self, batch: ForwardBatch, arena: Optional[DecodeArena]) -> bool:
         """True when `batch` is arena decode rows only and a compiled graph takes them."""
         count = batch.arena_rows
-        if self.compiled is None or count == 0 or batch.seqs or count != batch.input_ids.shape[0]:
-            return False
-        if arena is None:
+        if self.compiled is None or arena is None or count == 0 or batch.seqs or count != batch.input_ids.shape[0]:
             return False
         return self.compiled.covers(count, max(arena.lengths[:count]), arena.rows, arena.capacity)
 
