@@ -9,6 +9,7 @@ EXIT_DEADLINE_S. A ServerThread (tests) keeps its process: it only calls the hoo
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import os
@@ -62,6 +63,22 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Option
     return app
 
 
+def freeze_startup_heap() -> int:
+    """Collect, then move every object alive now into the permanent generation (`gc.freeze`), so
+    that later collections of the oldest generation no longer walk it. Returns how many objects
+    were frozen. Side effect: process-wide; objects frozen here are never collected (they are
+    the model, the compiled graphs and the app, alive until the process ends).
+
+    Why: CPython's collector holds the GIL while it runs, and the engine thread needs the GIL
+    between the ops of every step. A served process holds about 340,000 tracked objects after
+    start-up, and 1.1 million with `--compile-decode` (sympy expressions of the traced graphs'
+    symbolic shapes); measured on 2 Sapphire Rapids cores, each oldest-generation collection then
+    took 200-590 ms, a stall of every stream. vLLM freezes its start-up heap for the same reason."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def is_loopback(host: str) -> bool:
     """True when `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
     if host == "localhost":
@@ -94,6 +111,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings, log_level: str 
         print(warning, file=stderr, flush=True)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")   # no-op if configured
     app = build_app(engine_config, settings, failpoints=Failpoints.from_env(os.environ))
+    freeze_startup_heap()
     config = uvicorn.Config(app, host=settings.host or "127.0.0.1", port=settings.port or 8000,
                             log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
