@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import contextlib
 import json
 import os
 import shlex
@@ -137,12 +138,18 @@ class Stream:
 
 
 def complete(base: str, prompt: list[int], max_tokens: int, extra: dict, stop: Optional[threading.Event] = None,
-             on_chunk=None) -> Stream:
+             on_chunk=None, client: Optional[httpx.Client] = None) -> Stream:
     """POST /v1/completions (streamed, greedy, ignore_eos) and record when each chunk came; stops
-    reading (closing the connection, which aborts the request) once `stop` is set."""
+    reading (closing the connection, which aborts the request) once `stop` is set. `client`: an
+    open client to send on (default: a new one, made before the clock starts). Making an
+    httpx.Client takes 20-120 ms of this process's CPU with the GIL held (its SSL context), so
+    a phase that times one stream while others start makes its clients first."""
+    if client is None:
+        with httpx.Client(timeout=3600) as own:
+            return complete(base, prompt, max_tokens, extra, stop, on_chunk, own)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True, **extra}
     stream = Stream(sent=time.perf_counter())
-    with httpx.Client(timeout=3600) as client, client.stream("POST", f"{base}/v1/completions", json=body) as reply:
+    with client.stream("POST", f"{base}/v1/completions", json=body) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -156,6 +163,13 @@ def complete(base: str, prompt: list[int], max_tokens: int, extra: dict, stop: O
                 break
     stream.done = time.perf_counter()
     return stream
+
+
+@contextlib.contextmanager
+def open_clients(count: int):
+    """`with open_clients(n) as clients`: n open httpx clients, closed on exit."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(httpx.Client(timeout=3600)) for _ in range(count)]
 
 
 def in_threads(jobs) -> list:
@@ -231,8 +245,10 @@ def decode(base: str, work: Workload, plan: Plan) -> dict:
     """One stream, then `plan.streams` at once; tokens/s between first and last chunk."""
     single = complete(base, work.random(32), plan.decode_tokens, {})
     gaps = single.gaps()
-    streams = in_threads([lambda: complete(base, work.random(32), plan.decode_tokens, {})
-                          for _ in range(plan.streams)])
+    prompts = [work.random(32) for _ in range(plan.streams)]
+    with open_clients(plan.streams) as opened:
+        streams = in_threads([lambda p=p, c=c: complete(base, p, plan.decode_tokens, {}, client=c)
+                              for p, c in zip(prompts, opened)])
     first, last = min(s.chunks[0] for s in streams), max(s.chunks[-1] for s in streams)
     produced = sum(len(s.chunks) - 1 for s in streams)
     return {"decode_1_tok_s": (len(single.chunks) - 1) / (single.chunks[-1] - single.chunks[0]),
@@ -252,15 +268,18 @@ def itl_under_prefill(base: str, work: Workload, plan: Plan) -> dict:
         finally:
             started.set()   # never leave the main thread waiting on a stream that failed
 
-    thread = threading.Thread(target=decoder)
-    thread.start()
-    started.wait(timeout=600)
-    window_start = time.perf_counter()
-    loads = in_threads([lambda: complete(base, work.random(plan.loader_len), 1, {}) for _ in range(plan.loaders)])
-    window_end = time.perf_counter()
-    time.sleep(0.2)
-    stop.set()
-    thread.join()
+    prompts = [work.random(plan.loader_len) for _ in range(plan.loaders)]
+    with open_clients(plan.loaders) as opened:   # before the window: see `complete`
+        thread = threading.Thread(target=decoder)
+        thread.start()
+        started.wait(timeout=600)
+        window_start = time.perf_counter()
+        loads = in_threads([lambda p=p, c=c: complete(base, p, 1, {}, client=c)
+                            for p, c in zip(prompts, opened)])
+        window_end = time.perf_counter()
+        time.sleep(0.2)
+        stop.set()
+        thread.join()
     gaps = result["stream"].gaps(window_start, window_end + 0.2)
     return {"itl_loaded_p50_s": quantile(gaps, 0.5), "itl_loaded_p99_s": quantile(gaps, 0.99),
             "itl_loaded_max_s": max(gaps), "itl_loaded_tokens": len(gaps),
