@@ -131,6 +131,18 @@ def test_a_call_no_graph_covers_runs_eagerly_without_compiling(decoders):
     torch.testing.assert_close(got, expected)
 
 
+def test_the_guard_filter_drops_the_decoders_own_guards_only():
+    """The decoder's frozen attributes go unchecked; the step's inputs and globals keep theirs
+    (the test above shows an input guard still refusing a call)."""
+    from types import SimpleNamespace
+
+    from kvsplice.models.compiled_decode import _skip_decoder_guards
+
+    names = ["self.layers[3].o_proj.packed[1]", "self.lm_head", "pool_k[9]", "arena_v[28]", "input_ids",
+             "G['torch'].float32"]
+    assert _skip_decoder_guards([SimpleNamespace(name=name) for name in names]) == [False, False, True, True, True, True]
+
+
 def test_dense_projections_are_refused():
     model, _ = _model("llama", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="int4 or int8"):
