@@ -39,7 +39,7 @@ async def collect(gen, timeout_s: float = 30.0) -> list:
     return await asyncio.wait_for(drain(), timeout_s)
 
 
-async def first_output(gen, timeout_s: float = 5.0):
+async def first_output(gen, timeout_s: float = 60.0):   # generous: CI machines may be busy
     return await asyncio.wait_for(gen.__anext__(), timeout_s)
 
 
