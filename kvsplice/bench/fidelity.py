@@ -47,6 +47,7 @@ from kvsplice.engine.engine import Engine
 from kvsplice.engine.llm import LLM, GenerationResult, build_engine
 from kvsplice.engine.request import Namespace
 from kvsplice.reuse.config import RECOMPUTE_POLICIES, ReuseConfig
+from kvsplice.reuse.recompute import POLICIES
 from kvsplice.sampling_params import SamplingParams
 
 LOGIT_POSITIONS = 32
@@ -136,7 +137,7 @@ def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequenc
                    removed_seams: Sequence[int] = (), policy_seams: int = 0) -> list[Setting]:
     """The budget sweep: SCR off, then per tail SCR without recompute, every seam length > 0 alone
     and with every longer seam of `removed_seams` after removed text, and every policy x budget > 0
-    x score depth (the depth only for the scoring policy), each on top of `policy_seams` seam
+    x score depth (the depth only for the policies with a scoring pass), each on top of `policy_seams` seam
     tokens (labelled ", seams N" when > 0)."""
     settings = [Setting("scr off", 0, tails[0])]
     for tail in tails:
@@ -147,7 +148,7 @@ def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequenc
             settings += [Setting(f"seams {n}, {r} after removed{suffix}", max_spans, tail, seam_tokens=n,
                                  removed_seam_tokens=r) for r in removed_seams if r > n]
         for policy in policies:
-            depths = score_layers if policy == "deviation" else (1,)
+            depths = score_layers if POLICIES[policy].candidates is not None else (1,)   # a scoring pass
             for budget in (b for b in budgets if b > 0):
                 for depth in depths:
                     label = (f"{policy} {budget:g}" + (f" d={depth}" if len(depths) > 1 else "")

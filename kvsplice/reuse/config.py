@@ -18,7 +18,7 @@ from kvsplice.cache.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 StateMode = Literal["fork", "checkpoint", "none"]
 STATE_MODES: tuple[str, ...] = ("fork", "checkpoint", "none")
 # how selective recompute picks its tokens (kvsplice.reuse.recompute.POLICIES says what each does)
-RECOMPUTE_POLICIES: tuple[str, ...] = ("heads", "deviation", "overlap")
+RECOMPUTE_POLICIES: tuple[str, ...] = ("heads", "deviation", "overlap", "random")
 
 
 @dataclass(frozen=True)

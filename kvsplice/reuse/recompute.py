@@ -11,8 +11,9 @@ request's main forward, next to B', the span tails and D:
     new prompt       [ A ][ B' ][ C1 relocated ............ ][tail][ C2 relocated ...... ][tail][ D ]
     seam_tokens             ^^^^                                    ^^^^                        (first N of each span)
     recompute share              policy: "heads" (more of each span's head, shared out evenly),
-                                 "deviation" (the top scores of a scoring pass) or "overlap"
-                                 (tokens that also occur in the removed text the span saw)
+                                 "deviation" (the top scores of a scoring pass), "overlap"
+                                 (tokens that also occur in the removed text the span saw) or
+                                 "random" (a uniform draw: the control the others must beat)
     main forward           B'   ^^^^ ...                      tail  ^^^^ ...             tail  D
 
 The "deviation" policy's scoring pass (CacheBlend's selection):
@@ -26,14 +27,15 @@ re-rotated; rows of B' (and of earlier tails) are in the scoring pass because th
 after them attend to them. The pass is a phase of the request (`Req.scoring`): the scheduler gives
 it scoring chunks (rows run through `score_layers` layers only, `Decoder.layer_kv`), the engine
 hands their K/V to `ScoringPass.record` (via the ReuseManager), and when every row is scored the
-plan is amended (`SpanPlan.with_recomputed`) before the main forward. Seams, "heads" and "overlap"
-need no scoring pass: they are chosen at admission ("overlap" from token ids alone).
+plan is amended (`SpanPlan.with_recomputed`) before the main forward. Seams, "heads", "overlap"
+and "random" need no scoring pass: they are chosen at admission ("overlap" from token ids alone).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -216,8 +218,17 @@ def _overlap(plan: SpanPlan, count: int, old_ids: Sequence[int], new_ids: Sequen
     return sorted(offset for offset, _ in top)
 
 
+def _random(plan: SpanPlan, count: int, old_ids: Sequence[int] = (), new_ids: Sequence[int] = ()) -> list[int]:
+    """A control, not a selection: `count` relocated offsets drawn uniformly at random, increasing
+    (seeded by the offsets themselves, so a plan always gets the same draw); the token ids are not
+    read. What a policy must beat at the same budget to have chosen anything."""
+    offsets = relocated_offsets(plan)
+    return sorted(random.Random(hash(tuple(offsets))).sample(offsets, min(count, len(offsets))))
+
+
 POLICIES: dict[str, Policy] = {
     "heads": Policy(choose=_heads),
     "deviation": Policy(candidates=relocated_offsets),
     "overlap": Policy(choose=_overlap),
+    "random": Policy(choose=_random),
 }

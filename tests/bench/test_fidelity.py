@@ -231,6 +231,13 @@ def test_front_settings_pair_every_seam_with_every_longer_removed_seam():
     assert fidelity_main(["--task", "facts", "--fact-budgets", "1.5"]) == 2
 
 
+def test_front_settings_sweep_the_score_depth_of_every_policy_with_a_scoring_pass_only():
+    from kvsplice.bench.fidelity import front_settings
+    settings = front_settings([0.05], ["heads", "deviation", "random"], score_layers=[4, 8])
+    assert [(s.label, s.score_layers) for s in settings[2:]] == [
+        ("heads 0.05", 1), ("deviation 0.05 d=4", 4), ("deviation 0.05 d=8", 8), ("random 0.05", 1)]
+
+
 def test_front_marks_the_pareto_settings_and_chooses_the_best_within_the_budget():
     from kvsplice.bench.fidelity_front import choose_default, front_table, pareto
     rows = [{"setting": name, "computed_share": share, "kl_mean": kl, "flops_share": share, "kl_median": kl,

@@ -122,3 +122,18 @@ def test_overlap_chooses_nothing_without_removed_text():
     inserted = dataclasses.replace(EDITED, removed=(0, 0), removed_spans=())
     assert POLICIES["overlap"].choose(inserted, 10, OLD_IDS, NEW_IDS) == []
     assert overlap_scores(inserted, OLD_IDS) == {}
+
+
+def test_random_draws_the_count_among_relocated_offsets_the_same_way_every_time():
+    """The control policy: a uniform draw of `count` distinct relocated offsets (never one already
+    recomputed), increasing, the same for the same plan, spread over every span."""
+    choose = POLICIES["random"].choose
+    drawn = choose(PLAN, 30)
+    relocated = relocated_offsets(PLAN)
+    assert len(drawn) == 30 and drawn == sorted(set(drawn)) and set(drawn) <= set(relocated)
+    assert drawn == choose(PLAN, 30)
+    assert any(o < 60 for o in drawn) and any(o >= 80 for o in drawn)   # both spans drawn from
+    assert choose(PLAN, 0) == [] and choose(PLAN, 10_000) == relocated
+    partly = PLAN.with_recomputed([20, 21])
+    assert not {20, 21} & set(choose(partly, len(relocated)))
+
