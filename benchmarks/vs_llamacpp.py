@@ -28,8 +28,8 @@ exits 0.
 from __future__ import annotations
 
 import argparse
-import glob
 import contextlib
+import glob
 import json
 import os
 import shlex

@@ -50,6 +50,8 @@ DecodeFn = Callable[..., torch.Tensor]   # FastDecoder.arena_decode_hidden's sig
 # cpp.dynamic_threads: the C++ loops take their OpenMP thread count at run time, not at compile
 # time, so a step keeps to the threads ThreadPolicy gives it (--decode-threads).
 _INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp.dynamic_threads": True}
+# dynamo's message (a RuntimeError) when a call would need a new graph under this stance
+_RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
 
 
 def _skip_decoder_guards(entries) -> list[bool]:
@@ -62,8 +64,6 @@ def _skip_decoder_guards(entries) -> list[bool]:
     (sizes, strides, dtypes, which of them share storage) and on globals stay: they are what
     refuses a step no graph covers."""
     return [not entry.name.startswith("self.") for entry in entries]
-# dynamo's message (a RuntimeError) when a call would need a new graph under this stance
-_RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
 
 
 class CompiledDecode:

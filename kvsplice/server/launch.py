@@ -72,8 +72,9 @@ def freeze_startup_heap() -> int:
     Why: CPython's collector holds the GIL while it runs, and the engine thread needs the GIL
     between the ops of every step. A served process holds about 340,000 tracked objects after
     start-up, and 1.1 million with `--compile-decode` (sympy expressions of the traced graphs'
-    symbolic shapes); measured on 2 Sapphire Rapids cores, each oldest-generation collection then
-    took 200-590 ms, a stall of every stream. vLLM freezes its start-up heap for the same reason."""
+    symbolic shapes); measured on 2 Intel Xeon cores while serving, each oldest-generation
+    collection then took 110-590 ms, a stall of every stream (docs/BENCHMARKS.md). vLLM freezes
+    its start-up heap for the same reason."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
