@@ -64,16 +64,17 @@ class DecodeArena:
     def _allocate(self, rows: int, capacity: int) -> None:
         """(Re)allocate k/v for `rows` x `capacity`, keeping the rows in use."""
         layers, heads, dim = self.shape
-        with torch.inference_mode(False):   # normal tensors, as the pool's, even when a step grows it
+        # normal tensors and views, as the pool's, even when a step grows it (the compiled decode
+        # step's guards check which kind its inputs are)
+        with torch.inference_mode(False):
             k = torch.zeros(layers, rows, heads, capacity, dim, dtype=self.dtype, device=self.device)
             v = torch.zeros_like(k)
-        if self.k is not None and self.reqs:
-            used, old_cap = len(self.reqs), self.k.shape[3]
-            keep = min(old_cap, capacity)
-            k[:, :used, :, :keep] = self.k[:, :used, :, :keep]
-            v[:, :used, :, :keep] = self.v[:, :used, :, :keep]
-        self.k, self.v = k, v
-        with torch.inference_mode(False):   # normal views too (the compiled decode step takes them)
+            if self.k is not None and self.reqs:
+                used, old_cap = len(self.reqs), self.k.shape[3]
+                keep = min(old_cap, capacity)
+                k[:, :used, :, :keep] = self.k[:, :used, :, :keep]
+                v[:, :used, :, :keep] = self.v[:, :used, :, :keep]
+            self.k, self.v = k, v
             self.k_by_pos = tuple(by_position(k[layer]) for layer in range(layers))
             self.v_by_pos = tuple(by_position(v[layer]) for layer in range(layers))
 
