@@ -191,6 +191,11 @@ BENCHMARKS = (
               "decode step time for 1 and 8 greedy streams on 1 and 2 threads, and the profiler's split of a step "
               "into the packed 4-bit matmuls, dense matmuls (the lm_head over the 49,152-token vocabulary), "
               "attention and the remaining small ops."),
+    Benchmark("row_head", "One decode row's lm_head from the GGUF's Q8_0 blocks", "fast decode",
+              "python benchmarks/row_head.py",
+              "The default model's tied Q8_0 embedding as `--compile-decode` uses it for one row (int8 blocks, a "
+              "compiled fp32 loop) against the bf16 head: the time of one row's logits on 1 and 2 threads (weights "
+              "in cache and from memory), and on the built-in edit cases' final hidden rows KL(exact head || head)."),
     Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
               "python benchmarks/vs_llamacpp.py --kvsplice-args=--compile-decode --out runs/vs_llamacpp.json",
               "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold prefill "

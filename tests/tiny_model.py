@@ -75,3 +75,23 @@ def make_tiny_model_dir(path: Path, seed: int = 0, **config_overrides) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def make_gguf_like_model_dir(path: Path, seed: int = 0, **config_overrides) -> Path:
+    """`make_tiny_model_dir`, with the weights a GGUF Q4_1 file holds once converted: projections
+    that are int4 data in bf16 (so `--weight-format auto` packs them) and an lm_head that is exactly
+    Q8_0 blocks (int8 times an fp16 scale per 32 inputs) in fp32."""
+    from safetensors.torch import load_file, save_file
+
+    from kvsplice.layers.quant_linear import round_to_format
+
+    make_tiny_model_dir(path, seed, **config_overrides)
+    weights = load_file(str(path / "model.safetensors"))
+    for name, weight in weights.items():
+        if name.endswith("_proj.weight"):
+            weights[name] = round_to_format(weight.bfloat16(), "int4").float()
+    head = weights["lm_head.weight"].reshape(weights["lm_head.weight"].shape[0], -1, 32)
+    scales = (head.abs().amax(-1, keepdim=True) / 127).half().float()
+    weights["lm_head.weight"] = ((head / scales).round().clamp(-127, 127) * scales).reshape(weights["lm_head.weight"].shape)
+    save_file(weights, str(path / "model.safetensors"))
+    return path

@@ -73,7 +73,7 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None) -> 
     ckpt = load_checkpoint(path, dtype=dtype)
     model_config = ModelConfig.from_hf_config(ckpt.hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
-    model.load_hf_state_dict(ckpt.state_dict)
+    model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)
     model.to(config.device).eval()
     return Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name, failpoints=failpoints)
 

@@ -69,7 +69,7 @@ class ModelRunner:
                 if config.compile_decode and not config.decode_arena_tokens:
                     raise ValueError("--compile-decode needs the DecodeArena (--decode-arena-tokens above 0)")
                 self.fast = FastDecoder(model, self.weight_format.projections, self.weight_format.lm_head,
-                                        compile_decode=config.compile_decode)
+                                        compile_decode=config.compile_decode, threads=self.threads)
                 if config.decode_arena_tokens:   # the compiled graphs take arenas of 2 rows or more
                     self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
                                              config.decode_arena_tokens, device=pool.k.device,

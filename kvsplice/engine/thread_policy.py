@@ -29,10 +29,26 @@ taken by another process costs it one wait, not one per op.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside the block and restored after. Side
+    effect: on the calling thread. Compiled graphs are built under it at every count they will run
+    at: dynamo guards the count (its GLOBAL_STATE guard), so a graph traced at another count would
+    refuse every call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -65,6 +81,18 @@ class ThreadPolicy:
         if beside_lane:
             threads = min(threads, max(1, self.compute_threads - self.lane_threads))
         return threads
+
+    def compiled_step_counts(self) -> tuple[int, ...]:
+        """The thread counts of a decode-only step away from a lane job (where a compiled decode
+        step runs; beside a lane job the runner keeps the eager step)."""
+        return (self.threads_for(decoding=True),)
+
+    def head_counts(self) -> tuple[int, ...]:
+        """Every thread count an lm_head may get: every thread, and the ones a lane job leaves."""
+        counts = {self.threads_for(decoding=False)}
+        if self.lane_threads:
+            counts.add(self.threads_for(decoding=False, beside_lane=True))
+        return tuple(sorted(counts))
 
     def apply(self, decoding: bool, beside_lane: bool = False) -> None:
         """Set torch's intra-op thread count for the next step. Side effect: on the calling

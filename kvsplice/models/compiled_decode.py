@@ -22,7 +22,9 @@ the scratch tensors the graphs are traced with): the row count, the context widt
 dimension), the pool's slot count and the arena's rows and capacity. Weights and model sizes stay
 static, so the kernels are specialised to them. dynamo specialises a dimension of size 1, so one row
 and 2..max_rows rows are two graphs, and the arena must hold at least two rows
-(`DecodeArena(min_rows=2)`). Both graphs are compiled when this object is built, on scratch tensors
+(`DecodeArena(min_rows=2)`). Both graphs are compiled when this object is built, at the thread count decode steps run at
+(`ThreadPolicy.compiled_step_counts`: dynamo guards torch's thread count, so graphs built at
+another count, for example under `--decode-threads 1`, would refuse every step), on scratch tensors
 (nothing of the engine's pool or arena is touched), so no request waits for a compile: for the
 default model 290-450 s on 2 cores the first time, about 30 s once inductor's on-disk cache holds
 them. Afterwards every call runs under `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
@@ -42,6 +44,7 @@ from typing import Callable
 import torch
 
 from kvsplice.engine.decode_arena import by_position
+from kvsplice.engine.thread_policy import intra_op_threads
 from kvsplice.layers.attention import length_mask
 
 _log = logging.getLogger(__name__)
@@ -69,13 +72,14 @@ def _skip_decoder_guards(entries) -> list[bool]:
 class CompiledDecode:
     """`decode_fn` (FastDecoder.arena_decode_hidden) compiled for 1 and for 2..`max_rows` rows.
 
-    Construction compiles both graphs (blocking; see the module docstring). `covers` says whether
+    Construction compiles both graphs (blocking; see the module docstring) at each of
+    `thread_counts` (the intra-op counts the steps will run at; default: the present one). `covers` says whether
     a step can use them; `__call__` takes decode_fn's arguments and returns its result, compiled
     where a graph covers the call, eager otherwise.
     """
 
     def __init__(self, decode_fn: DecodeFn, max_rows: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype):
+                 head_dim: int, dtype: torch.dtype, thread_counts: tuple[int, ...] = ()):
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         self.eager = decode_fn
@@ -84,7 +88,9 @@ class CompiledDecode:
         self.fallbacks = 0        # calls no graph covered, run eagerly
         self._compiled = torch.compile(decode_fn, fullgraph=True,
                                        options={**_INDUCTOR_OPTIONS, "guard_filter_fn": _skip_decoder_guards})
-        self._warm_up(num_layers, num_kv_heads, head_dim, dtype)
+        for count in thread_counts or (torch.get_num_threads(),):   # the count is guarded: one set of graphs each
+            with intra_op_threads(count):
+                self._warm_up(num_layers, num_kv_heads, head_dim, dtype)
 
     def covers(self, count: int, width: int, arena_rows: int, capacity: int) -> bool:
         """True when a step of `count` arena rows with longest context `width`, in an arena of

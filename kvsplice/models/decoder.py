@@ -35,6 +35,7 @@ from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.engine.forward_batch import ForwardBatch
 from kvsplice.layers.attention import paged_attention, store_kv
+from kvsplice.layers.block_int8_head import Int8Blocks
 from kvsplice.layers.gated_deltanet import GatedDeltaNet
 from kvsplice.layers.mlp import SwiGLU
 from kvsplice.layers.norm import RMSNorm, ZeroCenteredRMSNorm
@@ -164,15 +165,20 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.rope)
+        # the lm_head as the checkpoint stores it, when that is int8 blocks (a GGUF Q8_0 head):
+        # the exact weights the model-dtype lm_head rounds; the fast path's one-row head reads them
+        self.head_blocks: Optional[Int8Blocks] = None
 
     @staticmethod
     def from_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> "Decoder":
         """A randomly initialised Decoder in `dtype` (load weights with `load_hf_state_dict`)."""
         return Decoder(cfg, dtype).eval()
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], head_blocks: Optional[Int8Blocks] = None) -> None:
         """Copy an HF state dict in (cast to this model's dtype). With tied embeddings `lm_head.weight`
-        may be absent. Raises ValueError listing missing or unexpected keys, or a shape mismatch."""
+        may be absent. `head_blocks`: the checkpoint's lm_head as int8 blocks (`Checkpoint.head_blocks`),
+        kept as `self.head_blocks`; it must hold the weights the state dict's lm_head rounds.
+        Raises ValueError listing missing or unexpected keys, or a shape mismatch."""
         sd = {_hf_name(name): tensor for name, tensor in sd.items()
               if not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(_IGNORED_PREFIXES)}
         expected = set(self.state_dict())
@@ -191,6 +197,11 @@ class Decoder(nn.Module):
                 self.load_state_dict(sd, strict=False)
         except RuntimeError as err:
             raise ValueError(f"state dict does not fit {self.cfg.model_type}: {err}") from err
+        shape = (self.cfg.vocab_size, self.cfg.hidden_size)
+        if head_blocks is not None and (head_blocks.values.shape[2], head_blocks.in_features) != shape:
+            raise ValueError(f"head_blocks of {head_blocks.values.shape[2]} x {head_blocks.in_features} "
+                             f"do not fit an lm_head of {shape[0]} x {shape[1]}")
+        self.head_blocks = head_blocks
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, states: Optional[StatePool] = None) -> torch.Tensor:

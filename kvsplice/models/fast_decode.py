@@ -20,7 +20,9 @@ Per layer, T rows (decode rows first):
       -> o_proj + h -> rms_norm -> gate|up -> silu(gate) * up -> down + h
 
 With `compile_decode`, a batch of arena decode rows only runs instead as one compiled graph of
-`arena_decode_hidden` (kvsplice.models.compiled_decode); this eager path stays its reference.
+`arena_decode_hidden` (kvsplice.models.compiled_decode); this eager path stays its reference. And
+where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head), one row's logits come
+from those blocks by a compiled loop (kvsplice.layers.block_int8_head); more rows use the dense head.
 
 Eligible models (`FastDecoder.supports`): every layer full attention without a sliding window or
 output gate, full-width RoPE, plain RMSNorm; optional q/k norm (qwen3) and biases. Others use the
@@ -39,8 +41,10 @@ from torch.nn import functional as F
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.engine.decode_arena import DecodeArena, by_position
 from kvsplice.engine.forward_batch import ForwardBatch
+from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
                                       paged_attention_reference, plan_sequences)
+from kvsplice.layers.block_int8_head import BlockInt8Head
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
 from kvsplice.layers.quant_linear import PackedLinear
 from kvsplice.models.compiled_decode import CompiledDecode
@@ -117,7 +121,7 @@ class FastDecoder:
     Construction re-points `model`'s projection weights to views of the fused copies (`_fuse`)."""
 
     def __init__(self, model: Decoder, weight_format: str = "dense", lm_head_format: str | None = None,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, threads: ThreadPolicy | None = None):
         cfg = model.cfg
         if not self.supports(cfg):
             raise ValueError(f"{cfg.model_type}: the fast path needs an attention-only model without "
@@ -133,7 +137,12 @@ class FastDecoder:
         self.eps = cfg.rms_norm_eps
         self.q_width = cfg.num_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.compiled = self._compile() if compile_decode else None
+        threads = threads or ThreadPolicy.from_config(None)
+        self.compiled = self._compile(threads) if compile_decode else None
+        # one row's logits from the checkpoint's own int8 blocks (a GGUF Q8_0 head), compiled as the
+        # decode step is: with compile_decode only (kvsplice.layers.block_int8_head)
+        self.row_head = (BlockInt8Head(model.head_blocks, self.embed.dtype, threads.head_counts())
+                         if compile_decode and head_format == "dense" and model.head_blocks is not None else None)
 
     @staticmethod
     def supports(cfg: ModelConfig) -> bool:
@@ -155,16 +164,18 @@ class FastDecoder:
             gate_up=_fuse([mlp.gate_proj, mlp.up_proj], fmt),
             down=_fuse([mlp.down_proj], fmt))
 
-    def _compile(self) -> CompiledDecode:
-        """The compiled decode step (blocks while it compiles). It needs packed projections: the
-        dense ones call oneDNN's prepacked weights, which inductor cannot trace."""
+    def _compile(self, threads: ThreadPolicy) -> CompiledDecode:
+        """The compiled decode step at the thread counts `threads` runs decode steps at (blocks
+        while it compiles). It needs packed projections: the dense ones call oneDNN's prepacked
+        weights, which inductor cannot trace."""
         linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if any(linear.packed is None for linear in linears):
             raise ValueError("--compile-decode needs int4 or int8 projections (--weight-format int4|int8|auto "
                              "on a checkpoint whose weights it packs)")
         cfg = self.cfg
         return CompiledDecode(self.arena_decode_hidden, min(linear.small_batch_rows for linear in linears),
-                              cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.embed.dtype)
+                              cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.embed.dtype,
+                              threads.compiled_step_counts())
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None) -> torch.Tensor:
@@ -233,7 +244,13 @@ class FastDecoder:
         return self.compiled.covers(count, max(arena.lengths[:count]), arena.rows, arena.capacity)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of `final_hidden`'s rows (the lm_head)."""
+        """fp32 logits of `final_hidden`'s rows (the lm_head): one row on `row_head` where there is
+        one (the checkpoint's exact weights), more rows on the dense head (those weights in the model
+        dtype)."""
+        if self.row_head is not None and self.row_head.covers(hidden):
+            logits = self.row_head(hidden)
+            if logits is not None:
+                return logits
         return self.lm_head(hidden).float()
 
     @staticmethod

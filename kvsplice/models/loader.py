@@ -17,11 +17,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from kvsplice.layers.block_int8_head import Int8Blocks, int8_blocks
 from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, default_model_dir, find_default_gguf
 from kvsplice.models.default_model import pull_default_model
 from kvsplice.models.gguf_convert import ensure_converted
@@ -44,13 +46,17 @@ SHARD_INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded model: HF config dict, state dict in HF names/layout, tokenizer, display name, origin."""
+    """A loaded model: HF config dict, state dict in HF names/layout, tokenizer, display name, origin,
+    and `head_blocks`: the lm_head's weight (the embedding's, when tied) as int8 blocks, read before
+    the cast to the model dtype, when that is exactly what the checkpoint stores (a GGUF Q8_0 head;
+    see kvsplice.layers.block_int8_head), else None."""
 
     hf_config: dict
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
     source_path: str
+    head_blocks: Optional[Int8Blocks] = None
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -123,8 +129,18 @@ def load_hf_dir(model_dir: Path, dtype: torch.dtype, name: str, source_path: str
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path} is not valid JSON: {error}") from error
-    state_dict = cast_floating(read_safetensors_dir(model_dir), dtype)
-    return Checkpoint(hf_config, state_dict, Tokenizer.from_dir(model_dir), name, source_path)
+    stored = read_safetensors_dir(model_dir)
+    head_blocks = stored_head_blocks(hf_config, stored)
+    return Checkpoint(hf_config, cast_floating(stored, dtype), Tokenizer.from_dir(model_dir), name, source_path,
+                      head_blocks)
+
+
+def stored_head_blocks(hf_config: dict, stored: dict[str, torch.Tensor]) -> Optional[Int8Blocks]:
+    """The lm_head of a state dict as read from disk (`lm_head.weight`, or the embedding when the
+    config ties them) as int8 blocks, when it is exactly such (`int8_blocks`); else None."""
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    head = stored.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    return None if head is None else int8_blocks(head)
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:

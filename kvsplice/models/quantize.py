@@ -67,7 +67,7 @@ def apply_weight_format(model: Decoder, fmt: WeightFormat) -> None:
     """Round `model`'s projection and lm_head weights to `fmt` in place (in their dtype).
 
     Side effects: a tied lm_head that is rounded gets a Parameter of its own (the embedding
-    keeps its weights); a weight the format cannot hold (int4 needs inputs divisible by 32)
+    keeps its weights) and the model's `head_blocks` are dropped; a weight the format cannot hold (int4 needs inputs divisible by 32)
     stays as it is, and the fast path keeps it dense as well.
     """
     for linear in projection_linears(model):
@@ -76,3 +76,4 @@ def apply_weight_format(model: Decoder, fmt: WeightFormat) -> None:
     if fmt.lm_head != "dense" and supports(fmt.lm_head, model.lm_head.weight):
         rounded = round_to_format(model.lm_head.weight, fmt.lm_head)
         model.lm_head.weight = nn.Parameter(rounded, requires_grad=False)
+        model.head_blocks = None   # the checkpoint's blocks no longer describe this head

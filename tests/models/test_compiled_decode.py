@@ -1,6 +1,7 @@
-"""CompiledDecode against the eager fast path on a random tiny model (int4 projections, bf16):
-one row and several rows over DecodeArena rows of different lengths, steps that no graph covers,
-the engine generating with it, and the set-ups it refuses. One engine compiles the graphs for the
+"""CompiledDecode against the eager fast path on a random tiny model with a GGUF's weights (int4
+projections, a Q8_0 lm_head; bf16): one row and several rows over DecodeArena rows of different
+lengths, steps that no graph covers, one row's logits from the int8 head, the engine generating
+with it, and the set-ups it refuses. One engine compiles the graphs for the
 whole module (10-90 s, depending on inductor's on-disk cache)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from kvsplice.cache.kv_pool import KVPool
 from kvsplice.config import EngineConfig
 from kvsplice.engine.decode_arena import DecodeArena
 from kvsplice.engine.llm import LLM, build_engine
+from kvsplice.engine.thread_policy import intra_op_threads
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.server.metrics import take_snapshot
@@ -24,12 +26,12 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=T
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tiny_model import make_tiny_model_dir
-    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+    from tiny_model import make_gguf_like_model_dir
+    return str(make_gguf_like_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
 def _engine(model_dir, compile_decode: bool):
-    return build_engine(EngineConfig(model=model_dir, dtype="bfloat16", weight_format="int4", num_slots=2048,
+    return build_engine(EngineConfig(model=model_dir, dtype="bfloat16", weight_format="auto", num_slots=2048,
                                      compile_decode=compile_decode))
 
 
@@ -143,6 +145,24 @@ def test_the_guard_filter_drops_the_decoders_own_guards_only():
     assert _skip_decoder_guards([SimpleNamespace(name=name) for name in names]) == [False, False, True, True, True, True]
 
 
+def test_one_rows_logits_come_from_the_checkpoints_int8_head(model_dir, decoders):
+    """With the checkpoint's lm_head stored as Q8_0 blocks, one row's logits are those exact
+    weights times the row in fp32 (closer to them than the bf16 head); two rows take the bf16 head."""
+    from safetensors.torch import load_file
+
+    model, cfg, eager, fast = decoders
+    assert eager.row_head is None and fast.row_head is not None
+    exact = load_file(f"{model_dir}/model.safetensors")["lm_head.weight"].double()
+    with torch.inference_mode():   # rows made as the engine's steps make them
+        rows = torch.randn(2, cfg.hidden_size).bfloat16()
+        one, two, dense = fast.logits(rows[:1]), fast.logits(rows), eager.logits(rows)
+    truth = rows.double() @ exact.t()
+    assert (one.double() - truth[:1]).abs().max() < 1e-5 * truth.abs().max()
+    assert (dense[:1].double() - truth[:1]).abs().max() > 4 * (one.double() - truth[:1]).abs().max()
+    torch.testing.assert_close(two, dense)
+    assert fast.row_head.fallbacks == 0
+
+
 def test_dense_projections_are_refused():
     model, _ = _model("llama", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="int4 or int8"):
@@ -163,11 +183,27 @@ def test_the_engine_generates_with_compiled_steps(model_dir, compiled_engine):
         assert agreed >= 8
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:agreed], b.logprobs[:agreed])) <= 0.05
     assert compiled.compiled_steps - before >= GREEDY.max_tokens - 2 and compiled.fallbacks == fallbacks
+    assert compiled_engine.runner.fast.row_head.fallbacks == 0
     assert compiled_engine.runner.arena.rows >= 2
     counters = take_snapshot(compiled_engine).counters   # what /metrics exports
     assert (counters["compiled_decode_steps"], counters["compiled_decode_fallbacks"]) == (
         compiled.compiled_steps, compiled.fallbacks)
     compiled_engine.check_integrity()
+
+
+def test_decode_steps_on_fewer_threads_run_compiled(model_dir):
+    """With --decode-threads below the process's threads (and a prefill lane), the graphs are built at
+    the counts the steps and the lm_head run at: dynamo guards the count, so graphs built at another
+    would refuse every step."""
+    with intra_op_threads(2):   # the suite runs on one thread (tests/conftest.py)
+        engine = build_engine(EngineConfig(model=model_dir, dtype="bfloat16", weight_format="auto", num_slots=2048,
+                                           compile_decode=True, decode_threads=1, prefill_lane_threads=1))
+        threads = engine.runner.threads
+        assert threads.compiled_step_counts() == (1,) and threads.head_counts() == (1, 2)
+        LLM(engine=engine).generate([list(range(5, 20))], GREEDY)
+    fast = engine.runner.fast
+    assert fast.compiled.compiled_steps >= GREEDY.max_tokens - 2 and fast.compiled.fallbacks == 0
+    assert fast.row_head.fallbacks == 0
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(decode_arena_tokens=0), "DecodeArena"),

@@ -139,7 +139,9 @@ def test_default_model_matches_transformers_gguf_dequantization(default_model_di
     assert all(torch.equal(ours.state_dict()[name], t.float()) for name, t in theirs_tensors.items())
     theirs = AutoModelForCausalLM.from_pretrained(str(default_model_dir))
     theirs.load_state_dict({name: t.float() for name, t in theirs_tensors.items()}, strict=False)
-    checkpoint = load_checkpoint(DEFAULT_MODEL)
+    checkpoint = load_checkpoint(DEFAULT_MODEL, dtype=torch.bfloat16)
+    # the tied Q8_0 embedding, read as its own int8 blocks before the bf16 cast
+    assert torch.equal(checkpoint.head_blocks.dequantize(), theirs_tensors["model.embed_tokens.weight"].float())
     prompt = checkpoint.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     assert checkpoint.tokenizer.decode(prompt, skip_special_tokens=False).startswith("<|im_start|>system\n")
     inputs = torch.tensor([prompt])
@@ -174,3 +176,33 @@ def test_truncated_safetensors_in_a_plain_dir_is_a_value_error(tmp_path):
     weights.write_bytes(b"\x05\x00")
     with pytest.raises(ValueError, match="cannot read .*model.safetensors"):
         load_checkpoint(str(model_dir))
+
+
+def test_a_head_stored_as_int8_blocks_is_read_before_the_cast(tmp_path):
+    """A GGUF-like directory's Q8_0 lm_head comes with the checkpoint as its exact blocks; a random
+    head has none; a tied model's blocks are its embedding's; a model whose lm_head is rounded to
+    another format drops them, and blocks of the wrong shape are refused."""
+    from safetensors.torch import load_file
+    from tiny_model import make_gguf_like_model_dir, make_tiny_model_dir
+
+    from kvsplice.models.config import ModelConfig
+    from kvsplice.models.decoder import Decoder
+    from kvsplice.models.quantize import WeightFormat, apply_weight_format
+    from kvsplice.models.loader import stored_head_blocks
+
+    gguf_like = make_gguf_like_model_dir(tmp_path / "q8")
+    checkpoint = load_checkpoint(str(gguf_like), dtype=torch.bfloat16)
+    stored = load_file(str(gguf_like / "model.safetensors"))
+    assert torch.equal(checkpoint.head_blocks.dequantize(), stored["lm_head.weight"])
+    assert checkpoint.state_dict["lm_head.weight"].dtype == torch.bfloat16
+    assert load_checkpoint(str(make_tiny_model_dir(tmp_path / "plain")), dtype=torch.bfloat16).head_blocks is None
+    tied = {"model.embed_tokens.weight": stored["lm_head.weight"], "lm_head.weight": torch.randn_like(stored["lm_head.weight"])}
+    assert torch.equal(stored_head_blocks({"tie_word_embeddings": True}, tied).dequantize(), stored["lm_head.weight"])
+    assert stored_head_blocks({"tie_word_embeddings": False}, tied) is None
+    model = Decoder.from_config(ModelConfig.from_hf_config(checkpoint.hf_config), dtype=torch.bfloat16)
+    model.load_hf_state_dict(checkpoint.state_dict, checkpoint.head_blocks)
+    assert model.head_blocks is checkpoint.head_blocks
+    apply_weight_format(model, WeightFormat("int4", "int8"))
+    assert model.head_blocks is None
+    with pytest.raises(ValueError, match="do not fit"):
+        model.load_hf_state_dict(checkpoint.state_dict, stored_head_blocks({}, {"lm_head.weight": stored["lm_head.weight"][:, :32]}))
