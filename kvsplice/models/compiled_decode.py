@@ -43,7 +43,6 @@ from typing import Callable
 
 import torch
 
-from kvsplice.engine.decode_arena import by_position
 from kvsplice.engine.thread_policy import intra_op_threads
 from kvsplice.layers.attention import length_mask
 
@@ -121,16 +120,14 @@ class CompiledDecode:
         in inference mode, as the engine's steps make them (the guards check which kind each is)."""
         slots, arena_rows, capacity = 61, self.max_rows + 3, 37
         # laid out as KVPool and DecodeArena lay theirs out: K and V each one tensor of all layers
-        # (the guards check which inputs share storage, and where each starts in it)
-        pool_k, pool_v = (torch.zeros(num_layers, slots, num_kv_heads, head_dim, dtype=dtype).unbind(0)
-                          for _ in range(2))
-        arenas = (torch.zeros(num_layers, arena_rows, num_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(2))
-        arena_k, arena_v = (tuple(by_position(kv[layer]) for layer in range(num_layers)) for kv in arenas)
-        for tensor in (*pool_k, *pool_v):
-            torch._dynamo.mark_dynamic(tensor, 0)
-        for tensor in (*arena_k, *arena_v):
-            torch._dynamo.mark_dynamic(tensor, 0)
+        pool_k, pool_v = (torch.zeros(num_layers, slots, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        arena_k, arena_v = (torch.zeros(num_layers, arena_rows, num_kv_heads, capacity, head_dim, dtype=dtype)
+                            for _ in range(2))
+        for tensor in (pool_k, pool_v):
             torch._dynamo.mark_dynamic(tensor, 1)
+        for tensor in (arena_k, arena_v):
+            torch._dynamo.mark_dynamic(tensor, 1)
+            torch._dynamo.mark_dynamic(tensor, 3)
         for count in ((1,) if self.max_rows == 1 else (1, 2)):
             with torch.inference_mode():
                 lengths = torch.tensor([7 + row for row in range(count)])

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.decode_arena import DecodeArena, by_position
+from kvsplice.engine.decode_arena import DecodeArena
 from kvsplice.engine.forward_batch import ForwardBatch
 from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
@@ -195,7 +195,7 @@ class FastDecoder:
             lengths = arena.lengths[:batch.arena_rows]
             mask = length_mask(torch.tensor(lengths), max(lengths))
             hidden = self.compiled(batch.input_ids, batch.positions, batch.out_slots, mask,
-                                   *pool.layer_views(), arena.k_by_pos, arena.v_by_pos)
+                                   pool.k, pool.v, arena.k, arena.v)
             return hidden[batch.logit_rows]
         hidden = F.embedding(batch.input_ids, self.embed)
         cos, sin_signed = _rope_tables(*self.rotary.cos_sin(batch.positions))
@@ -207,32 +207,33 @@ class FastDecoder:
         return rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
 
     def arena_decode_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
-                            mask: torch.Tensor, pool_k: tuple[torch.Tensor, ...], pool_v: tuple[torch.Tensor, ...],
-                            arena_k: tuple[torch.Tensor, ...], arena_v: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                            mask: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                            arena_k: torch.Tensor, arena_v: torch.Tensor) -> torch.Tensor:
         """`final_hidden` of a batch that is arena decode rows only, from plain tensors: the
         function `kvsplice.models.compiled_decode` compiles (no Python objects that change
         between steps, so one graph serves every step).
 
         Rows 0..B-1 of the arena decode `input_ids [B]` at `positions [B]`; `mask` is
         `length_mask(lengths, width)` for their context lengths and longest context `width`.
-        Writes each row's K/V into the pool's layers `pool_k / pool_v` (`KVPool.layer_views`,
-        `[slots, Hkv, D]` each) at `out_slots` and into the arena's (`DecodeArena.k_by_pos / v_by_pos`,
-        `[rows, capacity, Hkv, D]` each) at (row, position), as `final_hidden` does. Each write goes
-        straight into an input tensor, so that the compiled graph updates it in place (a write
-        into a view made inside the graph makes inductor copy the whole buffer back)."""
+        Writes each row's K/V into the pool (`KVPool.k / v`, `[layers, slots, Hkv, D]`) at
+        `out_slots` and into the arena (`DecodeArena.k / v`, `[layers, rows, Hkv, capacity, D]`) at
+        (row, position), as `final_hidden` does. Each write indexes the whole input tensor, layer
+        included, so that the compiled graph updates it in place (a write into a view made inside
+        the graph makes inductor copy the whole buffer back), and four tensors, not one per layer,
+        are what the graph's guards check before every step."""
         count, width = input_ids.shape[0], mask.shape[-1]
         rows = torch.arange(count)
         hidden = F.embedding(input_ids, self.embed)
         cos, sin_signed = _rope_tables(*self.rotary.cos_sin(positions))
         for layer_id, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, hidden, cos, sin_signed)
-            pool_k[layer_id].index_copy_(0, out_slots, k)
-            pool_v[layer_id].index_copy_(0, out_slots, v)
-            arena_k[layer_id].index_put_((rows, positions), k)
-            arena_v[layer_id].index_put_((rows, positions), v)
-            # back to [rows, Hkv, capacity, D] (by_position is its own inverse), the rows' contexts
-            k_rows, v_rows = (by_position(kv[layer_id])[:count, :, :width] for kv in (arena_k, arena_v))
-            attended = contiguous_decode_attention(q, k_rows, v_rows, mask, self.scale)
+            layer_index = torch.full_like(out_slots, layer_id)
+            pool_k.index_put_((layer_index, out_slots), k)
+            pool_v.index_put_((layer_index, out_slots), v)
+            arena_k[layer_index, rows, :, positions] = k
+            arena_v[layer_index, rows, :, positions] = v
+            attended = contiguous_decode_attention(q, arena_k[layer_id, :count, :, :width],
+                                                   arena_v[layer_id, :count, :, :width], mask, self.scale)
             hidden = self._out_and_mlp(layer, hidden, attended)
         return rms_norm_via_layer_norm(hidden, self.final_norm, self.eps)
 

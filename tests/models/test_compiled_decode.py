@@ -127,8 +127,8 @@ def test_a_call_no_graph_covers_runs_eagerly_without_compiling(decoders):
     with torch.inference_mode():
         step = (torch.tensor([3], dtype=torch.int32), torch.tensor([14]), reqs[0].seq_slots[14:15],
                 torch.ones(1, 1, 1, 15, dtype=torch.bool))
-        got = compiled(*step, *pool.layer_views(), arena.k_by_pos, arena.v_by_pos)
-        expected = fast.arena_decode_hidden(*step, *pool.layer_views(), arena.k_by_pos, arena.v_by_pos)
+        got = compiled(*step, pool.k, pool.v, arena.k, arena.v)
+        expected = fast.arena_decode_hidden(*step, pool.k, pool.v, arena.k, arena.v)
     assert compiled.fallbacks == fallbacks + 1
     torch.testing.assert_close(got, expected)
 
