@@ -125,9 +125,5 @@ class KVPool:
         """`v[layer_id]` (a view)."""
         return self._v_layers[layer_id]
 
-    def layer_views(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Every layer's `k_layer` and `v_layer` views, made once (not copies)."""
-        return self._k_layers, self._v_layers
-
     def bytes_per_slot(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
