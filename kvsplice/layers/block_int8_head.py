@@ -1,12 +1,14 @@
 """The lm_head of one decode row from the checkpoint's own int8 blocks (a GGUF Q8_0 head), summed in
 fp32 by a compiled loop (`kvsplice serve --compile-decode`).
 
-Why. One row's logits read the whole head: for the default model (49,152 x 576) 56 MB in bf16, about
-2.4 ms of a 12-16 ms decode step on 2 cores, and 7.3 ms on the one core a step gets beside a
-prefill-lane job. The same weights as int8 blocks are 28 MB plus 3.5 MB of scales; the loop below
-runs them in about 1.5 ms on 2 cores and 2.9 ms on one (measured on 2 Intel Xeon cores with
-avx512_bf16: a standalone product against the prepacked bf16 one). It serves one-row products
-only: a loop that reads the weights once per row loses to the bf16 matmul from two rows on.
+Why: fidelity, not speed. The bf16 head rounds the weights to 8 significant bits and its logits
+to bf16; on the built-in edit cases' final hidden rows that alone is KL 4.9e-4 nats from the exact
+head, about half of what bf16 costs against the fp32 model. This head is 1e-12 from exact. It runs
+at the bf16 head's speed: 0.93-0.99x of its time with the weights coming from memory, as in a
+decode step (the default model's 28 MB of int8 and 3.5 MB of scales against 57 MB of bf16, read by
+a loop that streams them at about 10 GB/s against oneDNN's 19). Measured on 2 Intel Xeon cores with
+avx512_bf16 by benchmarks/row_head.py (docs/BENCHMARKS.md). It serves one-row products only: a
+loop that reads the weights once per row loses to the bf16 matmul from two rows on.
 
 Numerics. GGUF's Q8_0 stores w = d q per block of 32 inputs (q int8 with max |q| = 127, d fp16).
 The converter dequantizes that to fp32 exactly (an 11-bit d times a 7-bit q fits in fp32's 24 bits),
@@ -96,11 +98,12 @@ def block_int8_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tens
 
 
 class BlockInt8Head:
-    """One row's logits from `blocks`. Construction compiles the loop for one contiguous row of
-    `dtype` made in inference mode, as the engine's steps make theirs, at each of `thread_counts`
-    (torch's intra-op counts it will run at; default: the present one), blocking for seconds. `covers(x)` says whether `x` is such a row;
-    `__call__(x)` gives its fp32 logits `[1, V]`, or None when the compiled loop's guards refuse
-    it (counted in `fallbacks`; nothing ran): the caller then uses its own head."""
+    """One row's logits from `blocks`. Construction compiles the loop for one row of `dtype` made
+    in inference mode, as the engine's steps make theirs, at each of `thread_counts` (torch's
+    intra-op counts it will run at; default: the present one), blocking for seconds. `covers(x)`
+    says whether `x` is such a row; `__call__(x)` gives its fp32 logits `[1, V]`, or None when the
+    compiled loop's guards refuse it (counted in `fallbacks`; nothing ran): the caller then uses
+    its own head."""
 
     def __init__(self, blocks: Int8Blocks, dtype: torch.dtype, thread_counts: tuple[int, ...] = ()):
         self.blocks, self.dtype = blocks, dtype
