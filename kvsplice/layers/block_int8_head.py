@@ -33,14 +33,12 @@ from typing import Optional
 import torch
 
 from kvsplice.engine.thread_policy import intra_op_threads
+from kvsplice.layers.compiled_call import INDUCTOR_OPTIONS, GraphRefused, call_compiled
 
 _log = logging.getLogger(__name__)
 BLOCK = 32          # inputs per scale, as GGUF's Q8_0
 _INT8_MAX = 127
 _PROBE_ROWS = 64    # rows checked first, so that a weight that is not int8 blocks is rejected fast
-# see kvsplice.models.compiled_decode: kernels called from C++; OpenMP threads taken at run time
-_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp.dynamic_threads": True}
-_RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ class BlockInt8Head:
     def __init__(self, blocks: Int8Blocks, dtype: torch.dtype, thread_counts: tuple[int, ...] = ()):
         self.blocks, self.dtype = blocks, dtype
         self.fallbacks = 0
-        self._compiled = torch.compile(block_int8_product, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self._compiled = torch.compile(block_int8_product, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
         for count in thread_counts or (torch.get_num_threads(),):   # the count is guarded: one loop each
             with intra_op_threads(count), torch.inference_mode():
                 self._compiled(torch.zeros(blocks.in_features, dtype=dtype), blocks.values, blocks.scales)
@@ -120,14 +118,11 @@ class BlockInt8Head:
 
     def __call__(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._compiled(x[0], self.blocks.values, self.blocks.scales)
-        except RuntimeError as err:   # raised by the guards, before the loop runs
-            if _RECOMPILE_REFUSED not in str(err):
-                raise
+            return call_compiled(self._compiled, x[0], self.blocks.values, self.blocks.scales)
+        except GraphRefused as refused:
             if not self.fallbacks:
                 _log.warning("row head: a call the compiled loop does not cover uses the dense head "
-                             "(counted in fallbacks): %s", err)
+                             "(counted in fallbacks): %s", refused)
             self.fallbacks += 1
             return None
 

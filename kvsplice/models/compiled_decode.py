@@ -46,15 +46,10 @@ import torch
 
 from kvsplice.engine.thread_policy import intra_op_threads
 from kvsplice.layers.attention import length_mask
+from kvsplice.layers.compiled_call import INDUCTOR_OPTIONS, GraphRefused, call_compiled
 
 _log = logging.getLogger(__name__)
 DecodeFn = Callable[..., torch.Tensor]   # FastDecoder.arena_decode_hidden's signature
-# cpp_wrapper: the kernels are called from C++, not Python (most of the gain at one row);
-# cpp.dynamic_threads: the C++ loops take their OpenMP thread count at run time, not at compile
-# time, so a step keeps to the threads ThreadPolicy gives it (--decode-threads).
-_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp.dynamic_threads": True}
-# dynamo's message (a RuntimeError) when a call would need a new graph under this stance
-_RECOMPILE_REFUSED = "stance is 'fail_on_recompile'"
 
 
 def _skip_decoder_guards(entries) -> list[bool]:
@@ -87,7 +82,7 @@ class CompiledDecode:
         self.compiled_steps = 0   # calls a compiled graph ran
         self.fallbacks = 0        # calls no graph covered, run eagerly
         self._compiled = torch.compile(decode_fn, fullgraph=True,
-                                       options={**_INDUCTOR_OPTIONS, "guard_filter_fn": _skip_decoder_guards})
+                                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": _skip_decoder_guards})
         for count in thread_counts or (torch.get_num_threads(),):   # the count is guarded: one set of graphs each
             with intra_op_threads(count):
                 self._warm_up(num_layers, num_kv_heads, head_dim, dtype)
@@ -101,17 +96,14 @@ class CompiledDecode:
 
     def __call__(self, *args) -> torch.Tensor:
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                hidden = self._compiled(*args)
-            self.compiled_steps += 1
-            return hidden
-        except RuntimeError as err:   # raised by the guards, before the graph runs: nothing written yet
-            if _RECOMPILE_REFUSED not in str(err):
-                raise
+            hidden = call_compiled(self._compiled, *args)
+        except GraphRefused as refused:   # nothing written yet
             if not self.fallbacks:
-                _log.warning("compiled decode: a step no graph covers runs eagerly (counted in fallbacks): %s", err)
+                _log.warning("compiled decode: a step no graph covers runs eagerly (counted in fallbacks): %s", refused)
             self.fallbacks += 1
             return self.eager(*args)
+        self.compiled_steps += 1
+        return hidden
 
     def _warm_up(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         """Compile both graphs on scratch tensors, with the dimensions that vary between steps
