@@ -31,6 +31,7 @@ from kvsplice.engine.llm import LLM, build_engine  # noqa: E402
 from kvsplice.layers.block_int8_head import BlockInt8Head  # noqa: E402
 from kvsplice.layers.quant_linear import PackedLinear  # noqa: E402
 from kvsplice.models.default_model import find_default_gguf, pull_default_model  # noqa: E402
+from kvsplice.models.loader import load_checkpoint  # noqa: E402
 from kvsplice.sampling_params import SamplingParams  # noqa: E402
 
 POSITIONS = 32
@@ -83,7 +84,7 @@ def main() -> int:
     llm = LLM(engine=build_engine(EngineConfig(model=model, dtype="bfloat16", weight_format="auto",
                                                fast_path=False, prefix_cache=False, num_slots=8192)))
     decoder = llm.engine.runner.model
-    blocks = decoder.head_blocks
+    blocks = load_checkpoint(model, torch.bfloat16, head_blocks=True).head_blocks
     if blocks is None:
         print("the model's lm_head is not stored as int8 blocks: no row head")
         return 0

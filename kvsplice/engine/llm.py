@@ -70,7 +70,7 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None) -> 
     a test seam, see Engine)."""
     path = resolve_model(config.model)
     dtype = resolve_auto_dtype(config.dtype, config.device)
-    ckpt = load_checkpoint(path, dtype=dtype)
+    ckpt = load_checkpoint(path, dtype=dtype, head_blocks=config.compile_decode)   # for the row head
     model_config = ModelConfig.from_hf_config(ckpt.hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)

