@@ -99,13 +99,14 @@ def test_segments_and_checkpoints_change_nothing():
     whole = SingleSeq(model, cfg).feed(ids)
     cut = SingleSeq(model, cfg)
     pieces = cut.feed(ids, (Segment(0, 13, save_to=1), Segment(13, 14), Segment(14, 40)))
-    assert (whole - pieces).abs().max() <= 1e-5
+    # fp32 sums in another order (AVX2 and AVX-512 kernels differ): within 1e-5, relative or absolute
+    torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
     resumed = SingleSeq(model, cfg)
     resumed.states = cut.states
     resumed.pool = cut.pool
     resumed.state_slot, resumed.length = 2, 13
     resumed.states.copy(1, 2)
-    assert (resumed.feed(ids[13:]) - whole[13:]).abs().max() <= 1e-5
+    torch.testing.assert_close(resumed.feed(ids[13:]), whole[13:], rtol=1e-5, atol=1e-5)
 
 
 def test_qwen3_5_wrapper_config_and_weight_names():
