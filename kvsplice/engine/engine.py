@@ -41,6 +41,7 @@ from kvsplice.engine.scheduler import Chunk, Scheduler
 from kvsplice.layers.logits_processors import LogitsState
 from kvsplice.layers.sampler import make_generator
 from kvsplice.models.config import ModelConfig
+from kvsplice.reuse.message_starts import MessageStarts
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.structured.grammar import GrammarCache
 from kvsplice.structured.matcher import GrammarState
@@ -107,7 +108,7 @@ class Engine:
         self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints())
         self.failpoints = failpoints
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
-                                  failpoints=failpoints)
+                                  failpoints=failpoints, message_starts=MessageStarts(tokenizer))
         self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
         self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
         self.lane: PrefillLane | None = None

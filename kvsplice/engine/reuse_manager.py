@@ -67,8 +67,9 @@ from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_overr
 from kvsplice.reuse.diff import EqualRun, diff_tokens
 from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before,
                                  removed_spans)
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, recompute_count, scoring_pass,
-                                      seam_offsets)
+from kvsplice.reuse.message_starts import MessageStarts
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, edited_offsets, kv_deviation, recompute_count,
+                                      scoring_pass, seam_offsets)
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -118,8 +119,9 @@ class ScrRequest:
 
 class ReuseManager:
     def __init__(self, cache: CacheManager, model_config: ModelConfig, config: ReuseConfig,
-                 rotary=None, failpoints=None):
+                 rotary=None, failpoints=None, message_starts: MessageStarts | None = None):
         self.cache = cache
+        self.message_starts = message_starts   # finds message openings for selective recompute
         self.failpoints = failpoints   # tests: kvsplice.engine.failpoints.Failpoints, or None
         self.model_config = model_config
         self.config = config
@@ -136,7 +138,7 @@ class ReuseManager:
         field, by a "kvreuse:off" salt, or because the prefix cache is off). Raises ValueError
         for a malformed `scr` field."""
         cfg = parse_request_override(scr, cache_salt, self.config)
-        asked = [key for key in ("recompute", "seam_tokens", "removed_seam_tokens")
+        asked = [key for key in ("recompute", "seam_tokens", "removed_seam_tokens", "message_start_tokens")
                  if isinstance(scr, dict) and scr.get(key, 0)]
         if asked and self.cache.states is not None:
             raise SettingError(f"scr.{asked[0]}: selective recompute needs a model whose every layer is "
@@ -305,6 +307,15 @@ class ReuseManager:
         return True
 
     # ----- selective recompute ----------------------------------------------------------
+    def _message_openings(self, req: Req, scr: ScrRequest) -> list[int]:
+        """The relocated offsets of every message opening in `req`'s prompt (role, line break and
+        the first `message_start_tokens` content tokens; kvsplice.reuse.message_starts) in the
+        spans from the first edit on (none in a turn that only appends)."""
+        if not scr.cfg.message_start_tokens or self.message_starts is None:
+            return []
+        return self.message_starts.openings(req.prompt_ids, scr.cfg.message_start_tokens,
+                                            edited_offsets(scr.plan))
+
     def _plan_recompute(self, req: Req, scr: ScrRequest) -> int:
         """Selective recompute for `req`'s fresh plan: the seams' first tokens now, then the
         policy's share (chosen now, or by a scoring pass the request runs first: `req.scoring`).
@@ -314,6 +325,7 @@ class ReuseManager:
             return 0
         count = recompute_count(scr.plan, cfg.recompute)   # a share of all relocated tokens
         seams = seam_offsets(scr.plan, cfg.seam_tokens, cfg.removed_seam_tokens)
+        seams = sorted(set(seams) | set(self._message_openings(req, scr)))
         if seams:
             self._apply_recompute(req, scr, seams)
         count = min(count, scr.plan.relocated_tokens)

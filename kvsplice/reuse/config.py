@@ -54,9 +54,12 @@ class ReuseConfig:
     # relocation: the first `seam_tokens` of every relocated span, and a `recompute` share of the
     # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
     # through the first `score_layers` layers); a span that directly follows removed (deleted or
-    # replaced) old text gets a seam of `removed_seam_tokens` instead, when that is longer
-    seam_tokens: int = 16
+    # replaced) old text gets a seam of `removed_seam_tokens` instead, when that is longer; and the
+    # first `message_start_tokens` content tokens of every message inside a relocated span
+    # (kvsplice.reuse.message_starts)
+    seam_tokens: int = 8
     removed_seam_tokens: int = 0
+    message_start_tokens: int = 1
     recompute: float = 0.0
     recompute_policy: str = "heads"
     score_layers: int = 1
@@ -140,6 +143,7 @@ FIELD_TYPES: dict[str, type] = {
     "checkpoint_max_states": int,
     "seam_tokens": int,
     "removed_seam_tokens": int,
+    "message_start_tokens": int,
     "recompute": float,
     "recompute_policy": str,
     "score_layers": int,
@@ -154,7 +158,8 @@ FIELD_TYPES: dict[str, type] = {
 # at most 2**20 state checkpoints (one is megabytes on a real hybrid); fractions and margins in
 # [0, 1] (they compare token overlaps, which lie in [0, 1]; `recompute` is a share of the relocated
 # tokens). Selective recompute: at most 4,096 seam tokens per span (the error sits in the first
-# few dozen tokens after a seam) and a scoring pass of at most 8 layers (CacheBlend checks at
+# few dozen tokens after a seam), at most 64 recomputed tokens at each message's start (one holds
+# the error measured there) and a scoring pass of at most 8 layers (CacheBlend checks at
 # layer 1; deeper, a full recompute of the candidates costs little more).
 MAX_TOKENS = 1 << 22
 _INT_RANGE = {
@@ -171,6 +176,7 @@ _INT_RANGE = {
     "checkpoint_max_states": (0, 1 << 20),
     "seam_tokens": (0, 4096),
     "removed_seam_tokens": (0, 4096),
+    "message_start_tokens": (0, 64),
     "score_layers": (1, 8),
 }
 _FLOAT_RANGE = (0.0, 1.0)
@@ -304,6 +310,9 @@ ENV_TABLE: tuple[EnvVar, ...] = (
     EnvVar("KVREUSE_REMOVED_SEAM_TOKENS", "removed_seam_tokens", parse_int, "--scr-removed-seam-tokens",
            "seam of a relocated span that follows removed (deleted or replaced) old text, when longer "
            "than --scr-seam-tokens (attention-only models)"),
+    EnvVar("KVREUSE_MESSAGE_START_TOKENS", "message_start_tokens", parse_int, "--scr-message-start-tokens",
+           "first content tokens of every message inside a relocated span that are recomputed "
+           "(0: none; attention-only models)"),
     EnvVar("KVREUSE_RECOMPUTE", "recompute", parse_float, "--scr-recompute",
            "share of relocated tokens recomputed in every layer, chosen by recompute_policy (0: none; "
            "attention-only models)"),
@@ -322,8 +331,8 @@ RETIRED_ENV: dict[str, str] = {
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode", "seam_tokens", "removed_seam_tokens", "recompute", "recompute_policy",
-                            "score_layers"})
+                            "state_mode", "seam_tokens", "removed_seam_tokens", "message_start_tokens", "recompute",
+                            "recompute_policy", "score_layers"})
 
 SALT_OFF = "kvreuse:off"
 

@@ -10,6 +10,10 @@ request's main forward, next to B', the span tails and D:
 
     new prompt       [ A ][ B' ][ C1 relocated ............ ][tail][ C2 relocated ...... ][tail][ D ]
     seam_tokens             ^^^^                                    ^^^^                        (first N of each span)
+    message openings                    ^^                                   ^^                 (role, \\n, first M
+                                                                                                 content tokens of every
+                                                                                                 message inside a span:
+                                                                                                 kvsplice.reuse.message_starts)
     recompute share              policy: "heads" (more of each span's head, shared out evenly),
                                  "deviation" (the top scores of a scoring pass), "overlap"
                                  (tokens that also occur in the removed text the span saw) or
@@ -54,6 +58,18 @@ def relocated_offsets(plan: SpanPlan) -> list[int]:
     """Every relocated (not yet recomputed) new offset of `plan`, increasing."""
     recomputed = set(plan.recomputed)
     return [o for keep in plan.keeps for o in range(keep.dst_pos, keep.dst_end) if o not in recomputed]
+
+
+def edited_offsets(plan: SpanPlan) -> list[int]:
+    """The relocated (not yet recomputed) offsets of `plan` from its first span whose context was
+    edited on: a span that moved (delta != 0) or follows removed old text, and every span after
+    it, increasing. A span before every edit (a turn that only appends: delta 0, nothing removed)
+    sees the context its K/V were computed with, so recomputing it would give the same K/V."""
+    removed = plan.removed or (0,) * len(plan.keeps)
+    first = next((i for i, (keep, gone) in enumerate(zip(plan.keeps, removed)) if keep.delta or gone),
+                 len(plan.keeps))
+    recomputed = set(plan.recomputed)
+    return [o for keep in plan.keeps[first:] for o in range(keep.dst_pos, keep.dst_end) if o not in recomputed]
 
 
 # ----- the scoring pass ---------------------------------------------------------------------

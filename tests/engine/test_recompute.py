@@ -231,3 +231,45 @@ def test_overlap_recomputes_the_relocated_tokens_that_match_removed_text(model_d
     stats.check(len(TURN2))
     assert stats.recomputed == len(expected) and stats.scored_tokens == 0
     llm.engine.check_integrity()
+
+
+def test_message_openings_inside_relocated_spans_are_recomputed(model_dir):
+    """message_start_tokens: the role, line break and first content token of every message that
+    lies inside a relocated span are recomputed; 0 turns it off."""
+    from kvsplice.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_dir(model_dir)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    role = tokenizer.encode("tool", add_special_tokens=False)
+    plain = [t for t in range(5, 300) if not tokenizer.token_str(t).endswith("\n")]
+
+    def content(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [plain[i] for i in torch.randint(0, len(plain), (n,), generator=g).tolist()]
+
+    def message(body):
+        return [1, *role, *newline, *body, 2, *newline]
+
+    notes = message(content(50, 3)) + message(content(50, 4))
+    turn1 = message(content(40, 1)) + message(content(30, 2)) + notes + message(content(30, 5))
+    turn2 = message(content(40, 1)) + notes + message(content(30, 5)) + message(content(10, 6))
+    header = len(role) + len(newline) + 1
+    opening = len(message(content(40, 1))) + header
+    second = opening + len(message(content(50, 3)))
+    third = second + len(message(content(50, 4)))                   # the last old message, relocated too
+    # the first note's header matches the deleted message's identical header, so it stays in the
+    # reused prefix; the later roles and line breaks were relocated and are recomputed with their
+    # first token (<|im_start|>, token 1, is special: left alone)
+    starts = [opening, *range(second - header + 1, second + 1), *range(third - header + 1, third + 1)]
+    for tokens, expected in ((1, starts), (0, [])):
+        llm = make_llm(model_dir, message_start_tokens=tokens)
+        llm.generate([turn1], GREEDY, session_id="c")
+        rid = llm.engine.add_request(turn2, GREEDY, session_id="c")
+        llm.engine.step()
+        req = llm.engine._reqs[rid]
+        inside = [o for o in expected if o in set(relocated_offsets(req.scr.plan)) | set(req.scr.plan.recomputed)]
+        assert inside == expected                    # every opening lies in a relocated span
+        assert list(req.scr.plan.recomputed) == expected
+        finish(llm)
+        req.reuse.check(len(turn2))
+        assert req.reuse.recomputed == len(expected)
+        llm.engine.check_integrity()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvsplice.reuse.plan import Keep, SpanPlan
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, kv_deviation, overlap_scores, recompute_count,
-                                      relocated_offsets, scoring_pass, seam_lengths, seam_offsets)
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, edited_offsets, kv_deviation, overlap_scores,
+                                      recompute_count, relocated_offsets, scoring_pass, seam_lengths, seam_offsets)
 
 PLAN = SpanPlan(200, 10, (Keep(30, 20, 40), Keep(100, 80, 60)), tail=8)
 
@@ -82,6 +82,19 @@ def test_a_longer_seam_after_removed_text_replaces_the_short_one_only_there():
     assert seam_lengths(PLAN, 3, 10) == [3, 3]             # removal unknown: fixed seams
     assert seam_lengths(dataclasses.replace(PLAN, removed=(1, 0)), 3, 10) == [10, 3]
     assert seam_offsets(removed, 2, 5) == [20, 21, 80, 81, 82, 83, 84]
+
+
+def test_edited_offsets_start_at_the_first_span_that_moved_or_follows_removed_text():
+    """Message openings are recomputed from the first edit on: a span at delta 0 with nothing
+    removed before it (a turn that only appended) sees the context its K/V were computed with."""
+    appended = SpanPlan(200, 10, (Keep(10, 10, 40), Keep(60, 50, 60)), tail=8, removed=(0, 0))
+    assert edited_offsets(appended) == list(range(50, 110))                 # the second span moved
+    unmoved = SpanPlan(200, 10, (Keep(10, 10, 40),), tail=8, removed=(0,))
+    assert edited_offsets(unmoved) == []
+    after_removal = SpanPlan(200, 10, (Keep(10, 10, 40), Keep(60, 60, 10)), tail=8, removed=(0, 10))
+    assert edited_offsets(after_removal) == list(range(60, 70))
+    assert edited_offsets(PLAN) == relocated_offsets(PLAN)                  # both spans moved
+    assert 21 not in edited_offsets(dataclasses.replace(PLAN, recomputed=(21,)))
 
 
 # ----- the "overlap" policy -----------------------------------------------------------------
