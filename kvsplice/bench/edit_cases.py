@@ -16,6 +16,7 @@ every edited turn of its conversations, with the turn before it as turn 1. Turn 
 turn's context without the step it appended (the edit the workload made to turn 1's messages),
 then turn 1's reply and a follow-up question, as in the built-in cases; when the edit removed a
 tool result, the question asks about that document (ASK_DELETED), else it is FOLLOW_UP.
+`leaves_content_to_relocate` tells the cases that give SCR something to move (`fidelity --relocating`).
 
 JSONL format for `--cases FILE`, one case a line:
     {"name": "my_case", "turn1": [{"role": ..., "content": ...}, ...], "turn2": [...]}
@@ -153,6 +154,14 @@ def workload_cases(seed: int, conversations: int = 8, min_tokens: int = 2000, ma
             turn2 = (*edited, {"role": "assistant", "content": REPLY_PLACEHOLDER}, {"role": "user", "content": question})
             cases.append(EditCase(f"{conversation.id}-t{number}-{turn.edit}", turn1, turn2))
     return cases
+
+
+def leaves_content_to_relocate(case: EditCase) -> bool:
+    """Whether turn 2 edits turn 1's messages and keeps turn 1's last message unchanged, so that
+    something after the edit survives to be relocated. A case that edits only the last message,
+    or only appends, is served by prefix caching alone (KL 0 for every SCR setting)."""
+    turn1, turn2 = list(case.turn1), list(case.turn2)
+    return turn2[:len(turn1)] != turn1 and turn1[-1] in turn2
 
 
 def _removed_titles(before, after) -> list[str]:

@@ -223,17 +223,20 @@ def _mean(rows, key: str) -> str:
 def fact_settings(default, seams: Sequence[int] = (), removed_seams: Sequence[int] = (),
                   policies: Sequence[str] = (), budgets: Sequence[float] = ()) -> list:
     """The settings of the fact task: SCR without selective recompute (K=6, tail=16), the server
-    default `default` (a ReuseConfig), K=6, tail=16 with each seam length of `seams`, the
+    default `default` (a ReuseConfig, its message openings included), K=6, tail=16 with each seam length of `seams`, the
     default's seams with each longer seam of `removed_seams` after removed text, and the default's
     seams with each policy of `policies` at each share of `budgets` > 0."""
     from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Setting
 
     removed = f", {default.removed_seam_tokens} after removed" if default.removed_seam_tokens else ""
+    openings = f", openings {default.message_start_tokens}" if default.message_start_tokens else ""
     return ([Setting(f"K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL),
-             Setting(f"default (seams {default.seam_tokens}{removed}, {default.recompute_policy} {default.recompute:g})",
+             Setting(f"default (seams {default.seam_tokens}{removed}{openings}, {default.recompute_policy} "
+                     f"{default.recompute:g})",
                      default.max_spans, default.tail, recompute=default.recompute, policy=default.recompute_policy,
                      score_layers=default.score_layers, seam_tokens=default.seam_tokens,
-                     removed_seam_tokens=default.removed_seam_tokens)]
+                     removed_seam_tokens=default.removed_seam_tokens,
+                     message_start_tokens=default.message_start_tokens)]
             + [Setting(f"seams {n}", BASE_K, BASE_TAIL, seam_tokens=n) for n in seams]
             + [Setting(f"seams {default.seam_tokens}, {r} after removed", BASE_K, BASE_TAIL,
                        seam_tokens=default.seam_tokens, removed_seam_tokens=r)

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvsplice.bench.edit_cases import (CasesFileError, EditCase, builtin_cases, fill_reply, load_cases,
-                                       workload_cases)
+                                       leaves_content_to_relocate, workload_cases)
 from kvsplice.bench.fidelity_front import choose_default, front_table, pareto, summarize
 from kvsplice.bench.fidelity_metrics import (greedy_prefix_fraction, kl_per_position, percentile,  # noqa: F401
                                              top1_agreement)
@@ -71,7 +71,7 @@ NO_NAMESPACE = Namespace(None, None)  # the harness's requests carry no owner an
 @dataclass(frozen=True)
 class Setting:
     """One SCR configuration under test. max_spans == 0 means SCR off (plain prefix caching).
-    `seam_tokens`, `removed_seam_tokens`, `recompute`, `policy`, `score_layers`: selective
+    `seam_tokens`, `removed_seam_tokens`, `message_start_tokens`, `recompute`, `policy`, `score_layers`: selective
     recompute (always sent, so a server default never leaks into a setting)."""
 
     label: str
@@ -83,6 +83,7 @@ class Setting:
     score_layers: int = 1
     seam_tokens: int = 0
     removed_seam_tokens: int = 0
+    message_start_tokens: int = 0
 
     def request_scr(self) -> str | dict:
         """The per-request `scr` field for this setting ("off" when K == 0)."""
@@ -90,6 +91,7 @@ class Setting:
             return "off"
         return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate,
                 "seam_tokens": self.seam_tokens, "removed_seam_tokens": self.removed_seam_tokens,
+                "message_start_tokens": self.message_start_tokens,
                 "recompute": self.recompute, "recompute_policy": self.policy,
                 "score_layers": self.score_layers}
 
@@ -134,19 +136,26 @@ def sweep_settings(ks: Sequence[int] = DEFAULT_KS, tails: Sequence[int] = DEFAUL
 def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequence[str] = ("heads",),
                    score_layers: Sequence[int] = (1,), max_spans: int = BASE_K,
                    tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = (),
-                   removed_seams: Sequence[int] = (), policy_seams: int = 0) -> list[Setting]:
+                   removed_seams: Sequence[int] = (), policy_seams: int = 0,
+                   openings: Sequence[int] = ()) -> list[Setting]:
     """The budget sweep: SCR off, then per tail SCR without recompute, every seam length > 0 alone
-    and with every longer seam of `removed_seams` after removed text, and every policy x budget > 0
+    and with every longer seam of `removed_seams` after removed text, SCR without seams and every
+    seam length with every count of `openings` (the first content tokens of every message recomputed,
+    labelled ", openings N"), and every policy x budget > 0
     x score depth (the depth only for the policies with a scoring pass), each on top of `policy_seams` seam
     tokens (labelled ", seams N" when > 0)."""
     settings = [Setting("scr off", 0, tails[0])]
     for tail in tails:
         suffix = f" tail={tail}" if len(tails) > 1 else ""
         settings.append(Setting(f"K={max_spans} tail={tail}", max_spans, tail))
+        settings += [Setting(f"K={max_spans} tail={tail}, openings {m}", max_spans, tail, message_start_tokens=m)
+                     for m in openings if m > 0]
         for n in (n for n in seams if n > 0):
             settings.append(Setting(f"seams {n}{suffix}", max_spans, tail, seam_tokens=n))
             settings += [Setting(f"seams {n}, {r} after removed{suffix}", max_spans, tail, seam_tokens=n,
                                  removed_seam_tokens=r) for r in removed_seams if r > n]
+            settings += [Setting(f"seams {n}, openings {m}{suffix}", max_spans, tail, seam_tokens=n,
+                                 message_start_tokens=m) for m in openings if m > 0]
         for policy in policies:
             depths = score_layers if POLICIES[policy].candidates is not None else (1,)   # a scoring pass
             for budget in (b for b in budgets if b > 0):
@@ -450,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload-conversations", type=int, default=8, help="conversations to draw cases from")
     parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated; facts task: question names, "
                              "e.g. delete_result-0)")
+    parser.add_argument("--relocating", action="store_true",
+                        help="only the cases whose edit leaves content after it to relocate (the others edit "
+                             "the last message before the question and are served by prefix caching alone)")
     parser.add_argument("--max-cases", type=int, default=None, help="at most this many cases, spread evenly")
     parser.add_argument("--out", default="fidelity_out", help="directory for results.json, results.md, PNGs")
     parser.add_argument("--k", type=_number_list(int), default=None,
@@ -462,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--removed-seams", type=_number_list(int), default=[],
                         help="with every seam length, also sweep these longer seams for spans that follow "
                              "removed (deleted or replaced) text")
+    parser.add_argument("--openings", type=_number_list(int), default=[],
+                        help="also sweep SCR without seams and every seam length with this many first content "
+                             "tokens of every message recomputed (--scr-message-start-tokens)")
     parser.add_argument("--policies", type=_name_list, default=list(DEFAULT_POLICIES),
                         help=f"recompute policies to sweep ({', '.join(RECOMPUTE_POLICIES)})")
     parser.add_argument("--policy-seams", type=int, default=0,
@@ -510,6 +525,8 @@ def _check_args(args) -> Optional[str]:
         return "--score-layers must lie in [1, 8] and --max-cases be >= 1"
     if any(not 0 <= n <= 4096 for n in args.seams + args.fact_seams + args.removed_seams + [args.policy_seams]):
         return "every seam length must lie in [0, 4096]"
+    if any(not 0 <= n <= 64 for n in args.openings):
+        return "every --openings count must lie in [0, 64]"
     return None
 
 
@@ -521,6 +538,8 @@ def load_edit_cases(args) -> list[EditCase]:
         cases = workload_cases(args.workload_seed, conversations=args.workload_conversations)
     else:
         cases = builtin_cases()
+    if args.relocating:
+        cases = [case for case in cases if leaves_content_to_relocate(case)]
     return select_cases(cases, args.case, args.max_cases)
 
 
@@ -545,7 +564,8 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
     front = front_settings(args.budgets, args.policies, args.score_layers, tails=args.front_tails, seams=args.seams,
-                           removed_seams=args.removed_seams, policy_seams=args.policy_seams)
+                           removed_seams=args.removed_seams, policy_seams=args.policy_seams,
+                           openings=args.openings)
     settings += [st for st in front if st.label not in {s.label for s in settings}]
     harness = Harness(args.model, gen_tokens=args.gen_tokens)
     started = time.perf_counter()

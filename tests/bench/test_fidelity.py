@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsplice.bench.edit_cases import (REPLY_PLACEHOLDER, CasesFileError, EditCase, builtin_cases, fill_reply,
-                                       load_cases)
+                                       leaves_content_to_relocate, load_cases)
 from kvsplice.bench.fidelity import (Harness, Setting, fidelity_main, greedy_prefix_fraction, kl_per_position,
                                      percentile, run_sweep)
 from kvsplice.reuse.config import ReuseConfig
@@ -67,6 +67,26 @@ def test_builtin_cases_edit_the_middle_and_append_a_question():
         assert turn2[-1]["role"] == "user" and len(turn2[-1]["content"].split()) >= 40
         assert turn2[:-2] != list(case.turn1)  # an edit happened before the reply
     assert builtin_cases() == cases  # deterministic
+
+
+def test_only_cases_that_keep_turn_1s_last_message_leave_content_to_relocate(tmp_path):
+    """--relocating keeps the cases whose edit leaves something after it: not an edit of the last
+    message, not a pure append; the built-in cases all do."""
+    sys_msg, task = {"role": "system", "content": "s"}, {"role": "user", "content": "t"}
+    tool, last = {"role": "tool", "content": "Documentation of x: y"}, {"role": "assistant", "content": "z"}
+    ask = {"role": "user", "content": "q"}
+    turn1 = (sys_msg, task, tool, last)
+    middle = EditCase("middle", turn1, (sys_msg, task, last, ask))           # the tool result deleted
+    end = EditCase("end", turn1, (sys_msg, task, tool, {"role": "assistant", "content": "w"}, ask))
+    append = EditCase("append", turn1, (*turn1, ask))
+    assert [leaves_content_to_relocate(c) for c in (middle, end, append)] == [True, False, False]
+    assert all(leaves_content_to_relocate(c) for c in builtin_cases())
+    path = tmp_path / "cases.jsonl"
+    path.write_text("".join(json.dumps({"name": c.name, "turn1": list(c.turn1), "turn2": list(c.turn2)}) + "\n"
+                            for c in (middle, end, append)))
+    from kvsplice.bench.fidelity import build_parser, load_edit_cases
+    args = build_parser().parse_args(["--cases", str(path), "--relocating"])
+    assert [c.name for c in load_edit_cases(args)] == ["middle"]
 
 
 def test_cases_file_errors_name_the_line(tmp_path):
@@ -187,9 +207,12 @@ def test_fact_task_end_to_end_on_a_tiny_model(tiny_dir):
 def test_fact_settings_and_question_selection(capsys):
     """The fact task runs K=6/tail=16, the default and every --fact-seams length; --case picks questions."""
     from kvsplice.bench.fact_cases import fact_cases, fact_settings, select_facts
-    settings = fact_settings(ReuseConfig(seam_tokens=16), [32, 64])
+    settings = fact_settings(ReuseConfig(seam_tokens=16, message_start_tokens=0), [32, 64])
     assert [s.label for s in settings] == ["K=6 tail=16", "default (seams 16, heads 0)", "seams 32", "seams 64"]
     assert [s.seam_tokens for s in settings] == [0, 16, 32, 64] and {s.max_spans for s in settings} == {6}
+    opened = fact_settings(ReuseConfig(seam_tokens=8, message_start_tokens=2))[1]
+    assert opened.label == "default (seams 8, openings 2, heads 0)"
+    assert opened.request_scr()["message_start_tokens"] == 2
     longer = fact_settings(ReuseConfig(seam_tokens=16), [], [128, 8])     # 8 is no longer seam: skipped
     assert [s.label for s in longer][2:] == ["seams 16, 128 after removed"]
     assert (longer[2].seam_tokens, longer[2].removed_seam_tokens) == (16, 128)
@@ -229,6 +252,16 @@ def test_front_settings_pair_every_seam_with_every_longer_removed_seam():
     assert [(s.label, s.seam_tokens, s.recompute) for s in on_seams][-1] == ("overlap 0.02, seams 16", 16, 0.02)
     assert fidelity_main(["--policy-seams", "-1"]) == 2
     assert fidelity_main(["--task", "facts", "--fact-budgets", "1.5"]) == 2
+
+
+def test_front_settings_pair_every_seam_with_every_opening_count():
+    from kvsplice.bench.fidelity import front_settings
+    settings = front_settings([0], ["heads"], seams=[8], openings=[1, 0])
+    assert [(s.label, s.seam_tokens, s.message_start_tokens) for s in settings] == [
+        ("scr off", 0, 0), ("K=6 tail=16", 0, 0), ("K=6 tail=16, openings 1", 0, 1), ("seams 8", 8, 0),
+        ("seams 8, openings 1", 8, 1)]
+    assert settings[-1].request_scr()["message_start_tokens"] == 1
+    assert fidelity_main(["--openings", "65"]) == 2
 
 
 def test_front_settings_sweep_the_score_depth_of_every_policy_with_a_scoring_pass_only():
