@@ -89,8 +89,8 @@ class MessageStarts:
         return found
 
     def _special_offsets(self, ids: Sequence[int]) -> list[int]:
-        """Offsets of the special tokens in `ids`, increasing (numpy: a 128K-token prompt is scanned
-        in about a millisecond, not tens)."""
+        """Offsets of the special tokens in `ids`, increasing: found by numpy, so that the Python
+        loop of `messages` runs over about two tokens per message, not over every token."""
         if not self.special_ids or not len(ids):
             return []
         return np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), self._special_array)).tolist()
