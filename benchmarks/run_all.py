@@ -36,26 +36,6 @@ class Benchmark:
     shows: str
 
 
-# the fresh cases (workload seed 11) whose edit leaves content after it to relocate
-FRESH_CASES = ",".join((
-    "w11-1-t3-update_note", "w11-1-t7-delete_tool_result", "w11-2-t5-replace_with_note",
-    "w11-2-t7-update_note", "w11-3-t2-strip_reasoning", "w11-3-t3-replace_with_note",
-    "w11-4-t8-replace_with_note", "w11-4-t9-update_note", "w11-5-t2-strip_reasoning",
-    "w11-5-t3-replace_with_note", "w11-5-t4-strip_reasoning", "w11-6-t4-replace_with_note",
-    "w11-6-t5-delete_tool_result", "w11-7-t5-replace_with_note", "w11-7-t7-strip_reasoning",
-    "w11-7-t8-strip_reasoning", "w11-7-t9-replace_with_note",
-))
-# the validation cases (workload seed 23), chosen by the same rule
-VALIDATION_CASES = ",".join((
-    "w23-0-t7-delete_tool_result", "w23-1-t2-strip_reasoning", "w23-2-t2-update_note",
-    "w23-2-t4-strip_reasoning", "w23-3-t4-strip_reasoning", "w23-3-t5-replace_with_note",
-    "w23-3-t8-update_note", "w23-3-t9-replace_with_note", "w23-4-t3-update_note",
-    "w23-4-t4-replace_with_note", "w23-4-t5-strip_reasoning", "w23-4-t7-update_note",
-    "w23-5-t3-strip_reasoning", "w23-6-t5-strip_reasoning", "w23-6-t6-delete_tool_result",
-    "w23-7-t3-strip_reasoning", "w23-7-t6-replace_with_note",
-))
-
-
 BENCHMARKS = (
     Benchmark("engine_speed", "Engine speed against transformers (same weights, same process)", "engine core",
               "python benchmarks/engine_speed.py --repeats 5 --out runs/engine_speed.json",
@@ -100,30 +80,36 @@ BENCHMARKS = (
               "NO_REROTATE control. Targets: mean KL <= 0.005 nats and top-1 >= 99% at K=6/tail=16; NO_REROTATE >= "
               "100x worse."),
     Benchmark("fidelity_front", "Selective recompute: the fidelity front", "fidelity guard",
-              "kvsplice fidelity --seams 8,16,32 --budgets 0.02 --policies heads,deviation --front-tails 16 "
-              "--gen-tokens 4 --out runs/fidelity_front",
+              "kvsplice fidelity --seams 8,16,32 --openings 1 --budgets 0.02 --policies heads,deviation "
+              "--front-tails 16 --gen-tokens 4 --out runs/fidelity_front",
               "The built-in edit cases with the default model: KL(exact || SCR) over the last 32 prompt positions "
               "(mean, median, p90 and worst of the cases' means, and at the answer position) against the share of the "
               "prompt computed, for seam lengths and a recompute share by each policy (K=6, tail=16), with two fp8 K/V "
               "anchors (exact K/V stored in float8 e4m3) computed in the same run. Targets at the default setting: "
               "mean KL <= 0.0015 nats with at most 8% of the prompt computed, worst case <= 0.03."),
     Benchmark("fidelity_fresh", "Selective recompute on fresh workload cases", "fidelity guard",
-              f"kvsplice fidelity --workload-seed 11 --case {FRESH_CASES} "
-              "--seams 16,32 --budgets 0 --front-tails 16 --gen-tokens 4 --out runs/fidelity_fresh",
-              "Cases drawn from the workload generator with a seed no setting was tuned on: the 17 of its 28 cases "
-              "whose edit leaves content after it to relocate (the other 11 edit the last message before the new "
-              "question), with a question about the removed result after every deletion or replacement. SCR "
-              "without selective recompute, the default setting, twice its seams, and the fp8 K/V anchors. Same "
+              "kvsplice fidelity --workload-seed 11 --relocating --seams 8,16 --openings 1,2 --budgets 0 "
+              "--front-tails 16 --gen-tokens 4 --out runs/fidelity_fresh",
+              "Cases drawn from the workload generator (seed 11, the set the default was chosen on besides the "
+              "built-in cases): the 17 of its 28 cases whose edit leaves content after it to relocate (`--relocating`; "
+              "the other 11 edit the last message before the new question), with a question about the removed result "
+              "after every deletion or replacement. SCR without selective recompute, seams of 8 and 16 tokens, each "
+              "with the message openings (`--scr-message-start-tokens` 1 and 2), and the fp8 K/V anchors. Same "
               "targets as the front."),
     Benchmark("fidelity_validation", "Selective recompute on validation workload cases", "fidelity guard",
-              f"kvsplice fidelity --workload-seed 23 --case {VALIDATION_CASES} "
-              "--seams 16 --removed-seams 256 --budgets 0 --front-tails 16 --gen-tokens 4 --no-anchor "
-              "--out runs/fidelity_validation",
-              "A second fresh set that no setting was chosen on, drawn with another seed and selected by the same "
-              "rule (the 17 of its 28 cases whose edit leaves content after it to relocate): SCR without selective "
-              "recompute, the default setting, and the default with 256-token seams for the relocated spans that "
-              "directly follow removed (deleted or replaced) text (`--scr-removed-seam-tokens 256`; spans after "
-              "inserted text only keep the 16-token seam). Same targets as the front."),
+              "kvsplice fidelity --workload-seed 23 --relocating --seams 8,16 --openings 1 --budgets 0 "
+              "--front-tails 16 --gen-tokens 4 --no-anchor --out runs/fidelity_validation",
+              "A second set that no setting was chosen on, drawn with another seed and selected by the same rule "
+              "(`--relocating`: the 17 of its 28 cases whose edit leaves content after it to relocate): SCR without "
+              "selective recompute, seams of 8 and 16 tokens, each with the first token of every message opening "
+              "(the default: seams 8, openings 1). Same targets as the front."),
+    Benchmark("fidelity_seed37", "Selective recompute on a third workload seed, measured after the default was set",
+              "fidelity guard",
+              "kvsplice fidelity --workload-seed 37 --relocating --seams 8 --openings 1 --budgets 0 "
+              "--front-tails 16 --gen-tokens 4 --out runs/fidelity_seed37",
+              "A third set, drawn only after the default was chosen and not looked at before: the 20 of seed 37's "
+              "23 cases whose edit leaves content after it to relocate. SCR without selective recompute, the default "
+              "(seams 8, openings 1) and its two parts alone, with the fp8 K/V anchors. Same targets as the front."),
     Benchmark("fidelity_facts", "Fact tracking: current, stale and deleted facts", "fidelity guard",
               "kvsplice fidelity --task facts --out runs/fidelity_facts",
               "Agent transcripts with one passphrase planted in a tool result or in the notes, then updated, deleted "
