@@ -317,8 +317,9 @@ class ReuseManager:
                                             edited_offsets(scr.plan))
 
     def _plan_recompute(self, req: Req, scr: ScrRequest) -> int:
-        """Selective recompute for `req`'s fresh plan: the seams' first tokens now, then the
-        policy's share (chosen now, or by a scoring pass the request runs first: `req.scoring`).
+        """Selective recompute for `req`'s fresh plan: the seams' first tokens and the message
+        openings now, then the policy's share (chosen now, or by a scoring pass the request runs
+        first: `req.scoring`).
         Returns how many tokens it recomputes (0 on hybrids)."""
         cfg = scr.cfg
         if self.cache.states is not None:

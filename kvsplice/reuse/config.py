@@ -55,8 +55,8 @@ class ReuseConfig:
     # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
     # through the first `score_layers` layers); a span that directly follows removed (deleted or
     # replaced) old text gets a seam of `removed_seam_tokens` instead, when that is longer; and the
-    # first `message_start_tokens` content tokens of every message inside a relocated span
-    # (kvsplice.reuse.message_starts)
+    # role, line break and first `message_start_tokens` content tokens of every message inside a
+    # relocated span from the first edit on (kvsplice.reuse.message_starts)
     seam_tokens: int = 8
     removed_seam_tokens: int = 0
     message_start_tokens: int = 1
