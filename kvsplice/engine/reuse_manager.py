@@ -68,7 +68,7 @@ from kvsplice.reuse.diff import EqualRun, diff_tokens
 from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before,
                                  removed_spans)
 from kvsplice.reuse.message_starts import MessageStarts
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, edited_offsets, kv_deviation, recompute_count,
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, in_edited_keeps, kv_deviation, recompute_count,
                                       scoring_pass, seam_offsets)
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
@@ -313,8 +313,9 @@ class ReuseManager:
         spans from the first edit on (none in a turn that only appends)."""
         if not scr.cfg.message_start_tokens or self.message_starts is None:
             return []
-        return self.message_starts.openings(req.prompt_ids, scr.cfg.message_start_tokens,
-                                            edited_offsets(scr.plan))
+        candidates = self.message_starts.openings(req.prompt_ids, scr.cfg.message_start_tokens,
+                                                  range(len(req.prompt_ids)))
+        return in_edited_keeps(scr.plan, candidates)
 
     def _plan_recompute(self, req: Req, scr: ScrRequest) -> int:
         """Selective recompute for `req`'s fresh plan: the seams' first tokens and the message

@@ -28,7 +28,7 @@ starts as chat requests. A tokenizer without special tokens (llama2.c) finds non
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Container, Sequence
 
 import numpy as np
 
@@ -99,20 +99,19 @@ class MessageStarts:
         """Offsets, increasing, of the first content token of every message in `ids`."""
         return [message.content for message in self.messages(ids)]
 
-    def openings(self, ids: Sequence[int], tokens: int, within: Iterable[int]) -> list[int]:
+    def openings(self, ids: Sequence[int], tokens: int, within: Container[int]) -> list[int]:
         """Every message's header tokens that are not special (the role and its line break) and its
-        first `tokens` content tokens (cut at a special token), limited to the offsets in `within`,
-        increasing; none when `tokens` is 0."""
+        first `tokens` content tokens (cut at a special token), limited to the offsets in `within`
+        (a range or a set: it is only asked `in`), increasing; none when `tokens` is 0."""
         if tokens <= 0:
             return []
-        allowed = set(within)
         chosen: list[int] = []
         for message in self.messages(ids):
             chosen += [o for o in range(message.header, message.content)
-                       if o in allowed and ids[o] not in self.special_ids]
+                       if o in within and ids[o] not in self.special_ids]
             for offset in range(message.content, min(len(ids), message.content + tokens)):
                 if ids[offset] in self.special_ids:
                     break
-                if offset in allowed:
+                if offset in within:
                     chosen.append(offset)
         return sorted(set(chosen))

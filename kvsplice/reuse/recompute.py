@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvsplice.reuse.plan import SpanPlan
+from kvsplice.reuse.plan import Keep, SpanPlan
 
 
 def recompute_count(plan: SpanPlan, share: float) -> int:
@@ -60,16 +60,30 @@ def relocated_offsets(plan: SpanPlan) -> list[int]:
     return [o for keep in plan.keeps for o in range(keep.dst_pos, keep.dst_end) if o not in recomputed]
 
 
-def edited_offsets(plan: SpanPlan) -> list[int]:
-    """The relocated (not yet recomputed) offsets of `plan` from its first span whose context was
-    edited on: a span that moved (delta != 0) or follows removed old text, and every span after
-    it, increasing. A span before every edit (a turn that only appends: delta 0, nothing removed)
-    sees the context its K/V were computed with, so recomputing it would give the same K/V."""
+def edited_keeps(plan: SpanPlan) -> tuple[Keep, ...]:
+    """The keeps of `plan` from its first span whose context was edited on: a span that moved
+    (delta != 0) or follows removed old text, and every span after it. A span before every edit
+    (a turn that only appends: delta 0, nothing removed) sees the context its K/V were computed
+    with, so recomputing it would give the same K/V."""
     removed = plan.removed or (0,) * len(plan.keeps)
     first = next((i for i, (keep, gone) in enumerate(zip(plan.keeps, removed)) if keep.delta or gone),
                  len(plan.keeps))
+    return plan.keeps[first:]
+
+
+def edited_offsets(plan: SpanPlan) -> list[int]:
+    """The relocated (not yet recomputed) offsets of `edited_keeps(plan)`, increasing: the
+    reference `in_edited_keeps` is tested against."""
     recomputed = set(plan.recomputed)
-    return [o for keep in plan.keeps[first:] for o in range(keep.dst_pos, keep.dst_end) if o not in recomputed]
+    return [o for keep in edited_keeps(plan) for o in range(keep.dst_pos, keep.dst_end) if o not in recomputed]
+
+
+def in_edited_keeps(plan: SpanPlan, offsets: Sequence[int]) -> list[int]:
+    """The `offsets` that `edited_offsets(plan)` holds, in their order, without building that list
+    (a prompt's relocated offsets can number 10^5; the offsets asked about, a few thousand)."""
+    keeps, recomputed = edited_keeps(plan), set(plan.recomputed)
+    return [o for o in offsets
+            if o not in recomputed and any(keep.dst_pos <= o < keep.dst_end for keep in keeps)]
 
 
 # ----- the scoring pass ---------------------------------------------------------------------

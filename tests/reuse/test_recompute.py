@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kvsplice.reuse.plan import Keep, SpanPlan
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, edited_offsets, kv_deviation, overlap_scores,
-                                      recompute_count, relocated_offsets, scoring_pass, seam_lengths, seam_offsets)
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, edited_offsets, in_edited_keeps, kv_deviation,
+                                      overlap_scores, recompute_count, relocated_offsets, scoring_pass, seam_lengths,
+                                      seam_offsets)
 
 PLAN = SpanPlan(200, 10, (Keep(30, 20, 40), Keep(100, 80, 60)), tail=8)
 
@@ -95,6 +96,14 @@ def test_edited_offsets_start_at_the_first_span_that_moved_or_follows_removed_te
     assert edited_offsets(after_removal) == list(range(60, 70))
     assert edited_offsets(PLAN) == relocated_offsets(PLAN)                  # both spans moved
     assert 21 not in edited_offsets(dataclasses.replace(PLAN, recomputed=(21,)))
+
+
+def test_in_edited_keeps_filters_offsets_as_the_edited_offsets_reference_does():
+    plans = [SpanPlan(200, 10, (Keep(10, 10, 40), Keep(60, 50, 60)), tail=8, removed=(0, 0)),
+             SpanPlan(200, 10, (Keep(10, 10, 40),), tail=8, removed=(0,)),
+             dataclasses.replace(PLAN, recomputed=(21, 85))]
+    for plan in plans:
+        assert in_edited_keeps(plan, range(200)) == edited_offsets(plan)
 
 
 # ----- the "overlap" policy -----------------------------------------------------------------
