@@ -311,8 +311,8 @@ ENV_TABLE: tuple[EnvVar, ...] = (
            "seam of a relocated span that follows removed (deleted or replaced) old text, when longer "
            "than --scr-seam-tokens (attention-only models)"),
     EnvVar("KVREUSE_MESSAGE_START_TOKENS", "message_start_tokens", parse_int, "--scr-message-start-tokens",
-           "first content tokens of every message inside a relocated span that are recomputed "
-           "(0: none; attention-only models)"),
+           "content tokens recomputed, with the role and line break, at the start of every message "
+           "inside an edited relocated span (0: none; attention-only models)"),
     EnvVar("KVREUSE_RECOMPUTE", "recompute", parse_float, "--scr-recompute",
            "share of relocated tokens recomputed in every layer, chosen by recompute_policy (0: none; "
            "attention-only models)"),

@@ -8,9 +8,9 @@ of the removed text. Measured on the default model (docs/BENCHMARKS.md, "Selecti
 fresh workload cases", 17 edited agent chats): SCR's mean KL goes from 0.00199 to 0.00127 nats
 with 8 seam tokens, for 7.8% of the prompt computed instead of 7.2%. The role and line break are
 recomputed too because a recomputed first token still attends to its stale header (an earlier
-version that recomputed the first content token alone: 0.00172 at 7.4%). The special token is left alone: recomputing
-<|im_start|> as well cost more (8.0%) for a higher KL (0.00134), and a case that strips reasoning
-went from 0.0005 to 0.0021.
+version that recomputed the first content token alone: 0.00172 at 7.4%). The special token is
+left alone: recomputing <|im_start|> as well cost more (8.0%) for a higher KL (0.00134), and a
+case that strips reasoning went from 0.0005 to 0.0021.
 
 A chat template writes each message as special token(s), a role, a line break, then the content:
 

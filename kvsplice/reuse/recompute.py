@@ -10,10 +10,9 @@ request's main forward, next to B', the span tails and D:
 
     new prompt       [ A ][ B' ][ C1 relocated ............ ][tail][ C2 relocated ...... ][tail][ D ]
     seam_tokens             ^^^^                                    ^^^^                        (first N of each span)
-    message openings                    ^^                                   ^^                 (role, \\n, first M
-                                                                                                 content tokens of every
-                                                                                                 message inside a span:
-                                                                                                 kvsplice.reuse.message_starts)
+    message openings                    ^^                                   ^^     (role, \\n, first M content
+                                                                                    tokens of every message in a
+                                                                                    span: reuse.message_starts)
     recompute share              policy: "heads" (more of each span's head, shared out evenly),
                                  "deviation" (the top scores of a scoring pass), "overlap"
                                  (tokens that also occur in the removed text the span saw) or
