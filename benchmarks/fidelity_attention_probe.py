@@ -8,8 +8,12 @@ answer-position KL(exact || SCR) and the computed share (the scoring forward its
 
     python benchmarks/fidelity_attention_probe.py --out runs/fidelity_attention_probe
 """
+from types import SimpleNamespace
+
 import torch
-from kvsplice.bench.fidelity import Harness, TURN1_REPLY_TOKENS
+
+from kvsplice.bench.fidelity import LOGIT_POSITIONS, TURN1_REPLY_TOKENS, Harness
+from kvsplice.bench.fidelity_metrics import kl_per_position
 from kvsplice.bench.edit_cases import fill_reply
 from kvsplice.engine.llm import LLM
 from kvsplice.sampling_params import SamplingParams
@@ -19,42 +23,45 @@ from kvsplice.reuse.plan import make_plan
 from kvsplice.reuse.recompute import seam_offsets, in_edited_keeps
 from kvsplice.reuse.message_starts import MessageStarts
 from kvsplice.layers.rotary import apply_rope
+from kvsplice.reuse.relocate import relocate
 
 torch.set_grad_enabled(False)
 
 class Emu:
+    """The default model's Decoder run layer by layer over a dense K/V copy `[layers, positions,
+    kv_heads, head_dim]`: only the rows asked for are computed, the others read as given."""
+
     def __init__(self, model=None):
         self.h = Harness(model, gen_tokens=1)
         self.m = self.h.reference.runner.model
         self.tok = self.h.tokenizer
         self.ms = MessageStarts(self.tok)
         self.collect = 0
-        self.collect_layers = None
         self.cfg = self.m.cfg
 
     def reply(self, ids):
         out = LLM(engine=self.h.reference).generate([ids], SamplingParams(max_tokens=TURN1_REPLY_TOKENS, temperature=0.0, ignore_eos=True))[0]
         return out
 
-    def forward(self, ids, rows, K=None, V=None, depth=None):
-        """compute `rows` (sorted offsets) over K/V [L,T,h,d] (others as given); returns logits of rows, K, V."""
+    def forward(self, ids, rows, K=None, V=None):
+        """Compute `rows` (increasing offsets of `ids`) in every layer over K/V (zeros when None; copied,
+        not written); returns the rows' logits and the K/V with the rows' entries written. With
+        `self.collect` = Q, `self.attn` holds per layer the head-mean attention of the last Q rows."""
         m, cfg = self.m, self.cfg
         T = len(ids)
-        L = cfg.num_layers if depth is None else depth
         if K is None:
             K = torch.zeros(cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim)
             V = torch.zeros_like(K)
         else:
             K, V = K.clone(), V.clone()
         r = torch.tensor(rows)
-        pos = r
         x = m.model.embed_tokens(torch.tensor(ids)[r])
-        cos, sin = m.rotary.cos_sin(pos)
+        cos, sin = m.rotary.cos_sin(r)
         group = cfg.num_heads // cfg.num_kv_heads
         maxp = int(r.max()) + 1
         mask = torch.arange(maxp)[None, :] <= r[:, None]   # [n, maxp]
         self.attn = []
-        for li, layer in enumerate(m.model.layers[:L]):
+        for li, layer in enumerate(m.model.layers):
             a = layer.self_attn
             hx = layer.input_layernorm(x)
             n = hx.shape[0]
@@ -72,7 +79,7 @@ class Emu:
             o = torch.einsum('hnt,thd->nhd', p, vv.float()).reshape(n, -1)
             x = x + a.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = m.lm_head(m.model.norm(x)).float() if depth is None else None
+        logits = m.lm_head(m.model.norm(x)).float()
         return logits, K, V
 
     def setup(self, case, cfg=None):
@@ -92,17 +99,15 @@ class Emu:
         res = make_plan(old, t2, runs, prefix_len=prefix, old_kv_len=old_kv_len, cfg=cfg)
         plan = res.plan
         T = len(t2)
-        K = torch.zeros_like(Ke); V = torch.zeros_like(Ve)
-        K[:, :prefix], V[:, :prefix] = Ko[:, :prefix], Vo[:, :prefix]
+        # old K/V in slots [0, old_kv_len), the new prompt's in [old_kv_len, old_kv_len + T): the
+        # engine's relocate() copies and re-rotates between them as it does between pool slots
+        pool = SimpleNamespace(k=torch.cat([Ko, torch.zeros_like(Ke)], 1), v=torch.cat([Vo, torch.zeros_like(Ve)], 1))
+        pool.k[:, old_kv_len:old_kv_len + prefix], pool.v[:, old_kv_len:old_kv_len + prefix] = Ko[:, :prefix], Vo[:, :prefix]
         for kp in plan.keeps:
-            src = slice(kp.src_pos, kp.src_end); dst = slice(kp.dst_pos, kp.dst_end)
-            keys = Ko[:, src]
-            Lk, n, hh, d = keys.shape
-            flat = keys.permute(1, 0, 2, 3).reshape(n, Lk * hh, d)
-            flat = self.m.rotary.rerotate(flat, torch.full((n,), kp.delta, dtype=torch.int64))
-            K[:, dst] = flat.reshape(n, Lk, hh, d).permute(1, 0, 2, 3)
-            V[:, dst] = Vo[:, src]
-        return dict(t2=t2, plan=plan, K=K, V=V, Ke=Ke, Ve=Ve, exact=exact_logits, T=T, cfg=cfg, old=old)
+            relocate(pool, torch.arange(kp.src_pos, kp.src_end), old_kv_len + torch.arange(kp.dst_pos, kp.dst_end),
+                     kp.delta, self.m.rotary)
+        K, V = pool.k[:, old_kv_len:], pool.v[:, old_kv_len:]
+        return dict(t2=t2, plan=plan, K=K, V=V, exact=exact_logits, T=T)
 
     def default_recompute(self, s, seams=8, openings=1, removed=0):
         plan = s['plan']
@@ -115,15 +120,14 @@ class Emu:
         p = s['plan'].with_recomputed(sorted(set(recompute)))
         return [o for a, b in p.computed_ranges for o in range(a, b)]
 
-    def run(self, s, recompute, K=None, V=None):
+    def run(self, s, recompute):
+        """(answer-position KL, mean KL over the last LOGIT_POSITIONS positions, computed share) with
+        the plan's computed rows plus `recompute` computed over the relocated K/V."""
         rows = self.rows(s, recompute)
-        logits, _, _ = self.forward(s['t2'], rows, s['K'] if K is None else K, s['V'] if V is None else V)
-        T = s['T']
-        last = logits[-32:]
-        ex = s['exact'][T - 32:]
-        lp, lq = torch.log_softmax(ex.double(), -1), torch.log_softmax(last.double(), -1)
-        kl = (lp.exp() * (lp - lq)).sum(-1)
-        return float(kl[-1]), float(kl.mean()), len(rows) / T
+        logits, _, _ = self.forward(s['t2'], rows, s['K'], s['V'])
+        last = range(s['T'] - LOGIT_POSITIONS, s['T'])
+        kl = kl_per_position({o: s['exact'][o] for o in last}, dict(zip(last, logits[-LOGIT_POSITIONS:])))
+        return kl[s['T'] - 1], sum(kl.values()) / len(kl), len(rows) / s['T']
 
     def relocated(self, s, recompute):
         rec = set(recompute)
