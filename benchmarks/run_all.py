@@ -115,12 +115,19 @@ BENCHMARKS = (
               "Agent transcripts with one passphrase planted in a tool result or in the notes, then updated, deleted "
               "or kept, then asked for: how often the answer follows the current value and how often the stale or "
               "deleted one, for exact recompute, SCR without selective recompute (K=6, tail=16) and the default "
-              "setting, with the KL at the answer position. Targets: stale answers no more often than exact "
+              "setting, with the KL at the answer position; the fp8 K/V anchors (exact K/V stored in fp8, per tensor "
+              "and per head) as the reference error. Targets: stale answers no more often than exact "
               "recompute; the deleted-fact questions' answer-position KL at least halved."),
     Benchmark("fidelity_overlap", "Selective recompute by content overlap with removed text (not kept as a default)",
               "fidelity guard",
               'kvsplice fidelity --task facts --case delete_result-0,delete_result-1,delete_result-2,delete_result-3,replace_note-0,replace_note-1,replace_note-2,replace_note-3 --removed-seams 64,128,256 --policies heads,overlap --fact-budgets 0.05,0.15,0.3,0.5,1 --out runs/fidelity_facts_overlap',
               "The `overlap` recompute policy (`--scr-recompute-policy overlap`) recomputes relocated tokens whose token, or bigram with the previous token, also occurs in removed (deleted or replaced) text that their span saw, ranked by the share of the token's occurrences that were in the removed text (the rarest matches first), at most `--scr-recompute` of the relocated tokens and fewer when fewer match. It reads token ids only: no scoring pass. The hypothesis: what a relocated span keeps of removed text came through heads that attend by content (copy and induction heads), so it sits in the tokens that match it. Measured on top of the default 16 seam tokens, against longer seams after removed text at the same compute. Deleted-fact questions first (the 8 `delete_result` and `replace_note` questions of the fact task), then the fresh workload cases below."),
+    Benchmark("fidelity_removed_share", "What seams that grow with the removed text would compute (plan only)",
+              "fidelity guard", "python benchmarks/fidelity_removed_share.py",
+              "The engine's plan for every deleted-fact question of the fact task and every edit case the front is "
+              "measured on: prompt and removed tokens, and how much more of the prompt a seam of alpha x the removed "
+              "token count (at most a cap) after removed text would compute than the default's fixed seams. No "
+              "forward pass; turn 1's reply is a fixed sentence instead of the model's 16 greedy tokens."),
     Benchmark("scr_replay", "Agent-trace replay, SCR on vs off", "report",
               "python benchmarks/scr_replay.py --out runs/scr_replay",
               "The same synthetic context-editing agent trace replayed against two servers (SCR on, SCR off) on the "

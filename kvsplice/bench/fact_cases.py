@@ -20,8 +20,9 @@ Kinds of question (the fact asked about, and how turn 2 changed it):
 
 Every value starts with a token of its own, so "follows" is the top-1 next token: the first token
 of the current value, or of the stale one. Per setting (exact recompute, SCR as it is, SCR with
-selective recompute) and kind: how often the answer follows the current value, how often the stale
-or deleted one, the probabilities of both, and KL(exact || SCR) at the answer position.
+selective recompute, and the fp8 K/V anchors as a reference) and kind: how often the answer follows
+the current value, how often the stale or deleted one, the probabilities of both, and KL(exact || SCR)
+at the answer position.
 """
 
 from __future__ import annotations
@@ -170,21 +171,31 @@ def score(setting: str, fact: FactCase, logits: torch.Tensor, tokenizer, kl_answ
                       float(probs[stale]) if stale is not None else 0.0, kl_answer, kl_mean, computed_share)
 
 
-def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print) -> list[FactResult]:
-    """Every setting (`kvsplice.bench.fidelity.Setting`) and exact recompute on every question."""
+def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print,
+              anchor: bool = False) -> list[FactResult]:
+    """Every setting (`kvsplice.bench.fidelity.Setting`) and exact recompute on every question;
+    with `anchor`, also the fp8 K/V anchors (`Harness.fp8`: turn 2's exact K/V stored in fp8, a
+    full prefill, so computed share 1), after the settings."""
+    from kvsplice.bench.fidelity import FP8_ANCHORS, compare
+
     results = []
     for fact in facts:
         started = time.perf_counter()
         outputs = harness.case_outputs(fact.case, settings)
-        exact = harness.exact(outputs[0][0])
+        turn2_ids = outputs[0][0]
+        exact = harness.exact(turn2_ids)
         answer = max(exact.prompt_logits)
         results.append(score("exact", fact, exact.prompt_logits[answer], harness.tokenizer, 0.0, 0.0))
-        for setting, (turn2_ids, out) in zip(settings, outputs):
-            row = harness.result(setting, fact.case, turn2_ids, out)
+        for setting, (ids, out) in zip(settings, outputs):
+            row = harness.result(setting, fact.case, ids, out)
             results.append(score(setting.label, fact, out.prompt_logits[answer], harness.tokenizer,
                                  row.kl_answer, row.kl_mean, row.computed_tokens / row.prompt_tokens))
+        for label, out in (harness.fp8(turn2_ids).items() if anchor else ()):
+            row = compare(label, fact.case.name, exact, out)
+            results.append(score(label, fact, out.prompt_logits[answer], harness.tokenizer, row.kl_answer, row.kl_mean))
+        shown = results[-(len(settings) + 1 + (len(FP8_ANCHORS) if anchor else 0)):]
         log(f"{fact.case.name}: " + ", ".join(f"{r.setting} {'C' if r.follows_current else 'S' if r.follows_stale else '-'}"
-                                              f" KL {r.kl_answer:.4f}" for r in results[-len(settings) - 1:])
+                                              f" KL {r.kl_answer:.4f}" for r in shown)
             + f"  ({time.perf_counter() - started:.1f} s)")
     return results
 
@@ -261,8 +272,8 @@ def facts_main(args) -> int:
     """`kvsplice fidelity --task facts`: SCR without selective recompute (K=6, tail=16), with the
     server default's, with every `--fact-seams` length and with every `--policies` policy at every
     `--fact-budgets` share (on the default's seams), against exact recompute, on `--max-cases`
-    questions (default: 4 of each kind), or the `--case` ones. Writes facts.json and facts.md to
-    --out; returns 0, or 2 for an unknown question name (message on stderr)."""
+    questions (default: 4 of each kind), or the `--case` ones, and the fp8 K/V anchors unless
+    `--no-anchor`. Writes facts.json and facts.md to --out; returns 0, or 2 for an unknown question name (message on stderr)."""
     import sys
 
     from kvsplice.bench.fidelity import Harness
@@ -277,7 +288,7 @@ def facts_main(args) -> int:
     settings = fact_settings(ReuseConfig(), args.fact_seams, args.removed_seams, args.policies, args.fact_budgets)
     harness = Harness(args.model, gen_tokens=1)
     started = time.perf_counter()
-    results = run_facts(harness, settings, facts)
+    results = run_facts(harness, settings, facts, anchor=not args.no_anchor)
     table = facts_table(results)
     print(f"{len(facts)} questions ({time.perf_counter() - started:.0f} s):\n{table}")
     out_dir = Path(args.out)

@@ -204,6 +204,22 @@ def test_fact_task_end_to_end_on_a_tiny_model(tiny_dir):
     assert table.splitlines()[0].endswith("| computed |") and "| 100.0% |" in table
 
 
+def test_fact_task_scores_the_fp8_anchors(tiny_dir):
+    """With anchor=True every question also gets both fp8 K/V anchors: a full prefill (computed
+    share 1) whose answer moves away from exact recompute, but not by much."""
+    from kvsplice.bench.fact_cases import fact_cases, facts_table, run_facts
+    from kvsplice.bench.fidelity import FP8_ANCHORS
+    harness = Harness(tiny_dir, gen_tokens=1, base=ReuseConfig(min_span=8))
+    facts = [dataclasses.replace(f, case=_shorter(f.case)) for f in fact_cases(per_kind=1)[2:4]]
+    results = run_facts(harness, [Setting("K=2 tail=4", 2, 4)], facts, log=lambda _: None, anchor=True)
+    labels = [label for label, _ in FP8_ANCHORS]
+    assert [r.setting for r in results[:4]] == ["exact", "K=2 tail=4"] + labels
+    anchors = [r for r in results if r.setting in labels]
+    assert len(anchors) == 2 * len(facts) and all(r.computed_share == 1.0 for r in anchors)
+    assert all(0.0 < r.kl_answer < 0.5 and r.kl_mean > 0.0 for r in anchors)
+    assert f"| {labels[0]} | all | 2 |" in facts_table(results)
+
+
 def test_fact_settings_and_question_selection(capsys):
     """The fact task runs K=6/tail=16, the default and every --fact-seams length; --case picks questions."""
     from kvsplice.bench.fact_cases import fact_cases, fact_settings, select_facts
