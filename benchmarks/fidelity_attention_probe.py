@@ -8,161 +8,161 @@ answer-position KL(exact || SCR) and the computed share (the scoring forward its
 
     python benchmarks/fidelity_attention_probe.py --out runs/fidelity_attention_probe
 """
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from kvsplice.bench.fidelity import LOGIT_POSITIONS, TURN1_REPLY_TOKENS, Harness
+from kvsplice.bench.fact_cases import fact_cases
+from kvsplice.bench.fidelity import LOGIT_POSITIONS, TURN1_REPLY_TOKENS, Harness, turn1_prompt, turn2_prompt
 from kvsplice.bench.fidelity_metrics import kl_per_position
-from kvsplice.bench.edit_cases import fill_reply
 from kvsplice.engine.llm import LLM
-from kvsplice.sampling_params import SamplingParams
-from kvsplice.reuse.config import ReuseConfig
-from kvsplice.reuse.diff import diff_tokens, common_prefix_len
-from kvsplice.reuse.plan import make_plan
-from kvsplice.reuse.recompute import seam_offsets, in_edited_keeps
-from kvsplice.reuse.message_starts import MessageStarts
 from kvsplice.layers.rotary import apply_rope
+from kvsplice.reuse.config import ReuseConfig
+from kvsplice.reuse.diff import common_prefix_len, diff_tokens
+from kvsplice.reuse.message_starts import MessageStarts
+from kvsplice.reuse.plan import SpanPlan, make_plan
+from kvsplice.reuse.recompute import fixed_recompute, relocated_offsets
 from kvsplice.reuse.relocate import relocate
+from kvsplice.sampling_params import SamplingParams
 
-torch.set_grad_enabled(False)
+QUESTIONS = [f"{kind}-{number}" for kind in ("delete_result", "replace_note") for number in range(4)]
+DEPTHS = (30, 16, 8, 4)
+SHARES = (0.02, 0.05, 0.1, 0.2)
 
-class Emu:
-    """The default model's Decoder run layer by layer over a dense K/V copy `[layers, positions,
-    kv_heads, head_dim]`: only the rows asked for are computed, the others read as given."""
+
+@dataclass(frozen=True)
+class Turn2:
+    """Turn 2 of one question, ready to emulate: its prompt ids, the engine's plan, the K/V as SCR
+    leaves them before any row is computed (prefix copied, keeps relocated and re-rotated; zeros
+    elsewhere) and the exact full-recompute logits of every position."""
+
+    ids: list[int]
+    plan: SpanPlan
+    k: torch.Tensor       # [layers, positions, kv_heads, head_dim]
+    v: torch.Tensor
+    exact: torch.Tensor   # [positions, vocab]
+
+
+class Emulator:
+    """The default model's Decoder run layer by layer over a dense K/V copy: only the rows asked
+    for are computed, the others read as given."""
 
     def __init__(self, model=None):
-        self.h = Harness(model, gen_tokens=1)
-        self.m = self.h.reference.runner.model
-        self.tok = self.h.tokenizer
-        self.ms = MessageStarts(self.tok)
-        self.collect = 0
-        self.cfg = self.m.cfg
+        self.harness = Harness(model, gen_tokens=1)
+        self.model = self.harness.reference.runner.model
+        self.message_starts = MessageStarts(self.harness.tokenizer)
+        self.cfg = ReuseConfig(enabled=True)   # the server default, as the engine plans with it
 
-    def reply(self, ids):
-        out = LLM(engine=self.h.reference).generate([ids], SamplingParams(max_tokens=TURN1_REPLY_TOKENS, temperature=0.0, ignore_eos=True))[0]
-        return out
-
-    def forward(self, ids, rows, K=None, V=None):
-        """Compute `rows` (increasing offsets of `ids`) in every layer over K/V (zeros when None; copied,
-        not written); returns the rows' logits and the K/V with the rows' entries written. With
-        `self.collect` = Q, `self.attn` holds per layer the head-mean attention of the last Q rows."""
-        m, cfg = self.m, self.cfg
-        T = len(ids)
-        if K is None:
-            K = torch.zeros(cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim)
-            V = torch.zeros_like(K)
-        else:
-            K, V = K.clone(), V.clone()
-        r = torch.tensor(rows)
-        x = m.model.embed_tokens(torch.tensor(ids)[r])
-        cos, sin = m.rotary.cos_sin(r)
+    def forward(self, ids, rows, k=None, v=None, collect: int = 0):
+        """Compute `rows` (increasing offsets of `ids`) in every layer over `k`/`v` (zeros when
+        None; copied, not written). Returns the rows' logits, the K/V with the rows' entries
+        written and, per layer, the head-mean attention `[collect, positions]` of the last
+        `collect` rows (an empty list when 0)."""
+        model, cfg = self.model, self.model.cfg
+        if k is None:
+            k = torch.zeros(cfg.num_layers, len(ids), cfg.num_kv_heads, cfg.head_dim)
+            v = torch.zeros_like(k)
+        k, v, rows = k.clone(), v.clone(), torch.tensor(rows)
+        x = model.model.embed_tokens(torch.tensor(ids)[rows])
+        cos, sin = model.rotary.cos_sin(rows)
         group = cfg.num_heads // cfg.num_kv_heads
-        maxp = int(r.max()) + 1
-        mask = torch.arange(maxp)[None, :] <= r[:, None]   # [n, maxp]
-        self.attn = []
-        for li, layer in enumerate(m.model.layers):
-            a = layer.self_attn
-            hx = layer.input_layernorm(x)
-            n = hx.shape[0]
-            q = a.q_proj(hx).view(n, a.num_heads, a.head_dim)
-            k, v = a.project_kv(hx, cos, sin)
-            q = apply_rope(q, cos, sin)
-            K[li, r], V[li, r] = k, v
-            kk = K[li, :maxp].repeat_interleave(group, dim=1)  # [maxp, H, d]
-            vv = V[li, :maxp].repeat_interleave(group, dim=1)
-            s = torch.einsum('nhd,thd->hnt', q.float(), kk.float()) * a.scale
-            s = s.masked_fill(~mask[None], float('-inf'))
-            p = torch.softmax(s, -1)
-            if self.collect:
-                self.attn.append(p[:, -self.collect:].mean(0))  # [Q, maxp]
-            o = torch.einsum('hnt,thd->nhd', p, vv.float()).reshape(n, -1)
-            x = x + a.o_proj(o)
+        seen = int(rows.max()) + 1
+        causal = torch.arange(seen)[None, :] <= rows[:, None]   # [rows, seen]
+        attention = []
+        for number, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            hidden = layer.input_layernorm(x)
+            q = apply_rope(attn.q_proj(hidden).view(len(rows), attn.num_heads, attn.head_dim), cos, sin)
+            k[number, rows], v[number, rows] = attn.project_kv(hidden, cos, sin)
+            keys = k[number, :seen].repeat_interleave(group, dim=1).float()    # [seen, heads, dim]
+            values = v[number, :seen].repeat_interleave(group, dim=1).float()
+            scores = torch.einsum("nhd,thd->hnt", q.float(), keys) * attn.scale
+            weights = torch.softmax(scores.masked_fill(~causal[None], float("-inf")), -1)
+            if collect:
+                attention.append(weights[:, -collect:].mean(0))
+            x = x + attn.o_proj(torch.einsum("hnt,thd->nhd", weights, values).reshape(len(rows), -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = m.lm_head(m.model.norm(x)).float()
-        return logits, K, V
+        return model.lm_head(model.model.norm(x)).float(), k, v, attention
 
-    def setup(self, case, cfg=None):
-        cfg = cfg or ReuseConfig(enabled=True)
-        tok = self.tok
-        t1 = tok.apply_chat_template(list(case.turn1), add_generation_prompt=True)
-        first = self.reply(t1)
-        old = t1 + list(first.token_ids)
-        t2 = tok.apply_chat_template(fill_reply(case.turn2, first.text), add_generation_prompt=True)
-        if case.answer_prefix:
-            t2 += tok.encode(case.answer_prefix, add_special_tokens=False)
+    def turn2(self, case) -> Turn2:
+        """Turn 1 with the model's greedy reply, then turn 2 planned and relocated as the engine
+        does; the exact turn 2 computed in full."""
+        tokenizer = self.harness.tokenizer
+        turn1_ids = turn1_prompt(tokenizer, case)
+        reply = LLM(engine=self.harness.reference).generate(
+            [turn1_ids], SamplingParams(max_tokens=TURN1_REPLY_TOKENS, temperature=0.0, ignore_eos=True))[0]
+        old = turn1_ids + list(reply.token_ids)
+        ids = turn2_prompt(tokenizer, case, reply.text)
         old_kv_len = len(old) - 1
-        _, Ko, Vo = self.forward(old[:old_kv_len], list(range(old_kv_len)))
-        exact_logits, Ke, Ve = self.forward(t2, list(range(len(t2))))
-        runs = diff_tokens(old, t2, fastdiff_min=cfg.fastdiff_min, cdc_target=cfg.cdc_target)
-        prefix = common_prefix_len(t1, t2)
-        res = make_plan(old, t2, runs, prefix_len=prefix, old_kv_len=old_kv_len, cfg=cfg)
-        plan = res.plan
-        T = len(t2)
+        _, old_k, old_v, _ = self.forward(old[:old_kv_len], list(range(old_kv_len)))
+        exact, exact_k, exact_v, _ = self.forward(ids, list(range(len(ids))))
+        runs = diff_tokens(old, ids, fastdiff_min=self.cfg.fastdiff_min, cdc_target=self.cfg.cdc_target)
+        prefix = common_prefix_len(turn1_ids, ids)
+        plan = make_plan(old, ids, runs, prefix_len=prefix, old_kv_len=old_kv_len, cfg=self.cfg).plan
         # old K/V in slots [0, old_kv_len), the new prompt's in [old_kv_len, old_kv_len + T): the
         # engine's relocate() copies and re-rotates between them as it does between pool slots
-        pool = SimpleNamespace(k=torch.cat([Ko, torch.zeros_like(Ke)], 1), v=torch.cat([Vo, torch.zeros_like(Ve)], 1))
-        pool.k[:, old_kv_len:old_kv_len + prefix], pool.v[:, old_kv_len:old_kv_len + prefix] = Ko[:, :prefix], Vo[:, :prefix]
-        for kp in plan.keeps:
-            relocate(pool, torch.arange(kp.src_pos, kp.src_end), old_kv_len + torch.arange(kp.dst_pos, kp.dst_end),
-                     kp.delta, self.m.rotary)
-        K, V = pool.k[:, old_kv_len:], pool.v[:, old_kv_len:]
-        return dict(t2=t2, plan=plan, K=K, V=V, exact=exact_logits, T=T)
+        pool = SimpleNamespace(k=torch.cat([old_k, torch.zeros_like(exact_k)], 1),
+                               v=torch.cat([old_v, torch.zeros_like(exact_v)], 1))
+        pool.k[:, old_kv_len:old_kv_len + prefix] = old_k[:, :prefix]
+        pool.v[:, old_kv_len:old_kv_len + prefix] = old_v[:, :prefix]
+        for keep in plan.keeps:
+            relocate(pool, torch.arange(keep.src_pos, keep.src_end),
+                     old_kv_len + torch.arange(keep.dst_pos, keep.dst_end), keep.delta, self.model.rotary)
+        return Turn2(ids, plan, pool.k[:, old_kv_len:], pool.v[:, old_kv_len:], exact)
 
-    def default_recompute(self, s, seams=8, openings=1, removed=0):
-        plan = s['plan']
-        extra = set(seam_offsets(plan, seams, removed))
-        if openings:
-            extra |= set(in_edited_keeps(plan, self.ms.openings(s['t2'], openings, range(s['T']))))
-        return sorted(extra)
+    def default_recompute(self, turn: Turn2) -> list[int]:
+        """What the engine's default setting recomputes: seams and message openings."""
+        return fixed_recompute(turn.plan, turn.ids, self.cfg, self.message_starts)
 
-    def rows(self, s, recompute):
-        p = s['plan'].with_recomputed(sorted(set(recompute)))
-        return [o for a, b in p.computed_ranges for o in range(a, b)]
+    @staticmethod
+    def rows(turn: Turn2, recompute) -> list[int]:
+        """The computed rows of the plan with `recompute` recomputed as well."""
+        return [o for start, end in turn.plan.with_recomputed(recompute).computed_ranges for o in range(start, end)]
 
-    def run(self, s, recompute):
+    def run(self, turn: Turn2, recompute) -> tuple[float, float, float]:
         """(answer-position KL, mean KL over the last LOGIT_POSITIONS positions, computed share) with
         the plan's computed rows plus `recompute` computed over the relocated K/V."""
-        rows = self.rows(s, recompute)
-        logits, _, _ = self.forward(s['t2'], rows, s['K'], s['V'])
-        last = range(s['T'] - LOGIT_POSITIONS, s['T'])
-        kl = kl_per_position({o: s['exact'][o] for o in last}, dict(zip(last, logits[-LOGIT_POSITIONS:])))
-        return kl[s['T'] - 1], sum(kl.values()) / len(kl), len(rows) / s['T']
+        rows = self.rows(turn, recompute)
+        logits, _, _, _ = self.forward(turn.ids, rows, turn.k, turn.v)
+        last = range(len(turn.ids) - LOGIT_POSITIONS, len(turn.ids))
+        kl = kl_per_position({o: turn.exact[o] for o in last}, dict(zip(last, logits[-LOGIT_POSITIONS:])))
+        return kl[len(turn.ids) - 1], sum(kl.values()) / len(kl), len(rows) / len(turn.ids)
 
-    def relocated(self, s, recompute):
-        rec = set(recompute)
-        return [o for kp in s['plan'].keeps for o in range(kp.dst_pos, kp.dst_end) if o not in rec]
+
+def probe(emulator: Emulator, case) -> dict[str, tuple[float, float, float]]:
+    """Every selection on one question: none, the default, and the default plus the top SHARES of
+    the relocated tokens by the answer's attention averaged over the first DEPTHS layers."""
+    turn = emulator.turn2(case)
+    default = emulator.default_recompute(turn)
+    row = {"base": emulator.run(turn, []), "default": emulator.run(turn, default)}
+    _, _, _, attention = emulator.forward(turn.ids, emulator.rows(turn, default), turn.k, turn.v, collect=1)
+    answer_attention = torch.stack([layer[-1] for layer in attention])   # [layers, positions]
+    relocated = torch.tensor(relocated_offsets(turn.plan.with_recomputed(default)))
+    for depth in DEPTHS:
+        score = answer_attention[:depth, relocated].mean(0)
+        for share in SHARES:
+            top = relocated[score.topk(round(share * len(relocated))).indices].tolist()
+            row[f"layers<{depth} share {share}"] = emulator.run(turn, default + top)
+    return row
 
 
 def main() -> int:
-    import argparse, json, time
-    from pathlib import Path
-    from kvsplice.bench.fact_cases import fact_cases
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/fidelity_attention_probe")
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
-    emu = Emu(args.model)
-    facts = {f.case.name: f for f in fact_cases()}
-    names = [f"{k}-{i}" for k in ("delete_result", "replace_note") for i in range(4)]
+    torch.set_grad_enabled(False)
+    emulator = Emulator(args.model)
+    facts = {fact.case.name: fact for fact in fact_cases()}
     out = {}
-    for name in names:
+    for name in QUESTIONS:
         started = time.time()
-        s = emu.setup(facts[name].case)
-        row = {"base": emu.run(s, [])}
-        default = emu.default_recompute(s)
-        row["default"] = emu.run(s, default)
-        emu.collect = 1
-        emu.forward(s["t2"], emu.rows(s, default), s["K"], s["V"])
-        emu.collect = 0
-        attention = torch.stack([a[-1] for a in emu.attn])   # [layers, positions]
-        relocated = torch.tensor(emu.relocated(s, default))
-        for depth in (30, 16, 8, 4):
-            score = attention[:depth, relocated].mean(0)
-            for share in (0.02, 0.05, 0.1, 0.2):
-                top = relocated[score.topk(round(share * len(relocated))).indices].tolist()
-                row[f"layers<{depth} share {share}"] = emu.run(s, default + top)
-        out[name] = row
+        out[name] = probe(emulator, facts[name].case)
         print(name, f"({time.time() - started:.0f} s)", flush=True)
     lines = ["| setting | answer KL (8 questions) | computed (scoring forward not counted) |", "|---|---|---|"]
     for key in next(iter(out.values())):

@@ -14,8 +14,9 @@ within a few tokens of the fidelity runs'.
 import argparse
 import statistics
 
-from kvsplice.bench.edit_cases import builtin_cases, fill_reply, workload_cases
+from kvsplice.bench.edit_cases import builtin_cases, workload_cases
 from kvsplice.bench.fact_cases import fact_cases
+from kvsplice.bench.fidelity import turn1_prompt, turn2_prompt
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import build_engine
 from kvsplice.reuse.config import ReuseConfig
@@ -29,11 +30,8 @@ SCALINGS = ((0.25, 256), (0.5, 256), (1.0, 256), (1.0, 512))
 
 def turn2_plan(tokenizer, case, cfg: ReuseConfig):
     """The engine's SpanPlan for turn 2 of `case` against turn 1 plus REPLY (None: no plan)."""
-    old = tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
-    old += tokenizer.encode(REPLY, add_special_tokens=False)
-    new = tokenizer.apply_chat_template(fill_reply(case.turn2, REPLY), add_generation_prompt=True)
-    if case.answer_prefix:
-        new += tokenizer.encode(case.answer_prefix, add_special_tokens=False)
+    old = turn1_prompt(tokenizer, case) + tokenizer.encode(REPLY, add_special_tokens=False)
+    new = turn2_prompt(tokenizer, case, REPLY)
     runs = diff_tokens(old, new, fastdiff_min=cfg.fastdiff_min, cdc_target=cfg.cdc_target)
     return make_plan(old, new, runs, prefix_len=common_prefix_len(old, new), old_kv_len=len(old), cfg=cfg).plan
 

@@ -176,11 +176,11 @@ def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print,
     """Every setting (`kvsplice.bench.fidelity.Setting`) and exact recompute on every question;
     with `anchor`, also the fp8 K/V anchors (`Harness.fp8`: turn 2's exact K/V stored in fp8, a
     full prefill, so computed share 1), after the settings."""
-    from kvsplice.bench.fidelity import FP8_ANCHORS, compare
+    from kvsplice.bench.fidelity import compare
 
     results = []
     for fact in facts:
-        started = time.perf_counter()
+        started, first = time.perf_counter(), len(results)
         outputs = harness.case_outputs(fact.case, settings)
         turn2_ids = outputs[0][0]
         exact = harness.exact(turn2_ids)
@@ -193,9 +193,8 @@ def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print,
         for label, out in (harness.fp8(turn2_ids).items() if anchor else ()):
             row = compare(label, fact.case.name, exact, out)
             results.append(score(label, fact, out.prompt_logits[answer], harness.tokenizer, row.kl_answer, row.kl_mean))
-        shown = results[-(len(settings) + 1 + (len(FP8_ANCHORS) if anchor else 0)):]
         log(f"{fact.case.name}: " + ", ".join(f"{r.setting} {'C' if r.follows_current else 'S' if r.follows_stale else '-'}"
-                                              f" KL {r.kl_answer:.4f}" for r in shown)
+                                              f" KL {r.kl_answer:.4f}" for r in results[first:])
             + f"  ({time.perf_counter() - started:.1f} s)")
     return results
 
@@ -273,7 +272,8 @@ def facts_main(args) -> int:
     server default's, with every `--fact-seams` length and with every `--policies` policy at every
     `--fact-budgets` share (on the default's seams), against exact recompute, on `--max-cases`
     questions (default: 4 of each kind), or the `--case` ones, and the fp8 K/V anchors unless
-    `--no-anchor`. Writes facts.json and facts.md to --out; returns 0, or 2 for an unknown question name (message on stderr)."""
+    `--no-anchor`. Writes facts.json and facts.md to --out; returns 0, or 2 for an unknown
+    question name (message on stderr)."""
     import sys
 
     from kvsplice.bench.fidelity import Harness

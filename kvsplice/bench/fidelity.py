@@ -185,6 +185,20 @@ FP8_ANCHORS = ((ANCHOR_LABEL, lambda x: fp8_round_trip(x)),
 
 
 # ----- running ------------------------------------------------------------------------------
+def turn1_prompt(tokenizer, case: EditCase) -> list[int]:
+    """Turn 1's prompt ids of `case` (chat template, generation prompt added)."""
+    return tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
+
+
+def turn2_prompt(tokenizer, case: EditCase, reply: str) -> list[int]:
+    """Turn 2's prompt ids of `case` with turn 1's reply `reply` in its placeholder, then the
+    case's answer prefix (when it has one)."""
+    ids = tokenizer.apply_chat_template(fill_reply(case.turn2, reply), add_generation_prompt=True)
+    if case.answer_prefix:
+        ids += tokenizer.encode(case.answer_prefix, add_special_tokens=False)
+    return ids
+
+
 class Harness:
     """One loaded model: an exact-reference engine (prefix_cache=False) and, per case, a fresh SCR
     engine around the same Decoder.
@@ -253,11 +267,9 @@ class Harness:
         """Turn 1 of `case` under `setting` in its session; returns turn 2's prompt and the SCR turn 2."""
         scr = setting.request_scr()
         session_id = f"{case.name}/{setting.label}"
-        turn1_ids = self.tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
+        turn1_ids = turn1_prompt(self.tokenizer, case)
         first = llm.generate([turn1_ids], self._params(TURN1_REPLY_TOKENS), session_id=session_id, scr=scr)[0]
-        turn2_ids = self.tokenizer.apply_chat_template(fill_reply(case.turn2, first.text), add_generation_prompt=True)
-        if case.answer_prefix:
-            turn2_ids += self.tokenizer.encode(case.answer_prefix, add_special_tokens=False)
+        turn2_ids = turn2_prompt(self.tokenizer, case, first.text)
         second = llm.generate([turn2_ids], self._params(self.gen_tokens), session_id=session_id, scr=scr,
                               keep_last_logits=LOGIT_POSITIONS)[0]
         llm.engine.flush_cache()
@@ -284,7 +296,7 @@ class Harness:
     def case_outputs(self, case: EditCase, settings: Sequence[Setting]) -> list[tuple[list[int], GenerationResult]]:
         """Turn 2's prompt and SCR result under every setting of `case`, on one fresh engine (see
         the class docstring)."""
-        turn1_ids = self.tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
+        turn1_ids = turn1_prompt(self.tokenizer, case)
         engine = self.case_engine(len(turn1_ids))
         llm = LLM(engine=engine)
         llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once

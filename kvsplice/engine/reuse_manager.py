@@ -68,8 +68,8 @@ from kvsplice.reuse.diff import EqualRun, diff_tokens
 from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before,
                                  removed_spans)
 from kvsplice.reuse.message_starts import MessageStarts
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, in_edited_keeps, kv_deviation, recompute_count,
-                                      scoring_pass, seam_offsets)
+from kvsplice.reuse.recompute import (POLICIES, ScoringPass, fixed_recompute, kv_deviation, recompute_count,
+                                      scoring_pass)
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -307,16 +307,6 @@ class ReuseManager:
         return True
 
     # ----- selective recompute ----------------------------------------------------------
-    def _message_openings(self, req: Req, scr: ScrRequest) -> list[int]:
-        """The relocated offsets of every message opening in `req`'s prompt (role, line break and
-        the first `message_start_tokens` content tokens; kvsplice.reuse.message_starts) in the
-        spans from the first edit on (none in a turn that only appends)."""
-        if not scr.cfg.message_start_tokens or self.message_starts is None:
-            return []
-        candidates = self.message_starts.openings(req.prompt_ids, scr.cfg.message_start_tokens,
-                                                  range(len(req.prompt_ids)))
-        return in_edited_keeps(scr.plan, candidates)
-
     def _plan_recompute(self, req: Req, scr: ScrRequest) -> int:
         """Selective recompute for `req`'s fresh plan: the seams' first tokens and the message
         openings now, then the policy's share (chosen now, or by a scoring pass the request runs
@@ -326,8 +316,7 @@ class ReuseManager:
         if self.cache.states is not None:
             return 0
         count = recompute_count(scr.plan, cfg.recompute)   # a share of all relocated tokens
-        seams = seam_offsets(scr.plan, cfg.seam_tokens, cfg.removed_seam_tokens)
-        seams = sorted(set(seams) | set(self._message_openings(req, scr)))
+        seams = fixed_recompute(scr.plan, req.prompt_ids, cfg, self.message_starts)
         if seams:
             self._apply_recompute(req, scr, seams)
         count = min(count, scr.plan.relocated_tokens)

@@ -194,6 +194,19 @@ def seam_offsets(plan: SpanPlan, tokens: int, after_removed: int = 0) -> list[in
             for o in range(keep.dst_pos, keep.dst_pos + length)]
 
 
+def fixed_recompute(plan: SpanPlan, prompt_ids: Sequence[int], cfg, message_starts=None) -> list[int]:
+    """The offsets every plan recomputes before any policy, increasing, each once: the seams'
+    first tokens (`seam_offsets` with `cfg.seam_tokens` and `cfg.removed_seam_tokens`) and the
+    message openings of `prompt_ids` (role, line break and the first `cfg.message_start_tokens`
+    content tokens; `message_starts` a kvsplice.reuse.message_starts.MessageStarts, None: none)
+    in the spans from the first edit on (none in a turn that only appends)."""
+    offsets = set(seam_offsets(plan, cfg.seam_tokens, cfg.removed_seam_tokens))
+    if cfg.message_start_tokens and message_starts is not None:
+        openings = message_starts.openings(prompt_ids, cfg.message_start_tokens, range(len(prompt_ids)))
+        offsets.update(in_edited_keeps(plan, openings))
+    return sorted(offsets)
+
+
 def overlap_scores(plan: SpanPlan, old_ids: Sequence[int]) -> dict[int, float]:
     """{relocated offset: score > 0} for the relocated (not yet recomputed) tokens of `plan` whose
     token also occurs in removed text (`plan.removed_spans`) their K/V saw (before the span in the

@@ -159,3 +159,26 @@ def test_random_draws_the_count_among_relocated_offsets_the_same_way_every_time(
     partly = PLAN.with_recomputed([20, 21])
     assert not {20, 21} & set(choose(partly, len(relocated)))
 
+
+
+class _Openings:
+    """A MessageStarts stand-in: the same message openings for any prompt, and the calls it got."""
+
+    def __init__(self, offsets):
+        self.offsets, self.calls = offsets, []
+
+    def openings(self, ids, tokens, within):
+        self.calls.append(tokens)
+        return [o for o in self.offsets if o in within]
+
+
+def test_fixed_recompute_is_the_seams_and_the_openings_in_edited_spans_once_each():
+    from kvsplice.reuse.config import ReuseConfig
+    from kvsplice.reuse.recompute import fixed_recompute
+    cfg = ReuseConfig(seam_tokens=4, message_start_tokens=2)
+    finder = _Openings([5, 22, 50, 90, 150])   # 5: in the prefix, 150: computed anyway; 22: a seam too
+    assert fixed_recompute(PLAN, list(range(200)), cfg, finder) == [20, 21, 22, 23, 50, 80, 81, 82, 83, 90]
+    assert finder.calls == [2]
+    assert fixed_recompute(PLAN, list(range(200)), cfg) == seam_offsets(PLAN, 4)
+    assert fixed_recompute(PLAN, list(range(200)), dataclasses.replace(cfg, message_start_tokens=0), finder) == \
+        seam_offsets(PLAN, 4) and finder.calls == [2]
