@@ -1,29 +1,50 @@
 """The `kvsplice` command: serve | generate | pull | bench | report | workload | fidelity.
 
-    kvsplice serve [--model M | --model-path M] [--served-model-name NAME ...] [--host H] [--port P]
-                   [--api-key K ...] [limit flags] [engine flags] [SCR flags]   (docs/SERVING.md lists every flag)
+    kvsplice serve [--model M] [--served-model-name NAME ...] [--host H] [--port P] [--api-key K ...]
+                   [model / cache / scheduler / SCR / server flags]   (docs/SERVING.md lists every flag)
     kvsplice generate [--model M] --prompt TEXT [--max-tokens N] [--temperature T] [--seed S] [--chat]
     kvsplice pull                      fetch and convert the default model
     kvsplice bench | report | workload (see kvsplice/bench/commands.py)
     kvsplice fidelity (see kvsplice/bench/fidelity.py)
 
-Engine flags mirror EngineConfig; SCR flags mirror `kvsplice.reuse.config.ENV_TABLE`. Precedence for SCR
-settings: command-line flag > KVREUSE_* environment variable > default; API keys: `--api-key` flags >
+The flags come in vLLM's groups: model, cache, scheduler, suffix cache reuse (SCR), server / frontend.
+Engine flags are built from EngineConfig's fields (ENGINE_FLAGS: type and default from the dataclass);
+SCR flags from `kvsplice.reuse.config.ENV_TABLE`, for the few settings a user tunes (SCR_FLAG_FIELDS).
+The other SCR settings (session-matching heuristics, diff chunking, hybrid-model state, control
+experiments) are set through their KVREUSE_* variables; their old flags still work, hidden, with a
+one-line deprecation warning, as do `--no-scr` and `--model-path`. Precedence for SCR settings:
+command-line flag > KVREUSE_* environment variable > default; API keys: `--api-key` flags >
 KVSPLICE_API_KEY (comma-separated). Bad input exits with status 2 and a message saying what is wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import typing
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
-from kvsplice.config import WEIGHT_FORMAT_CHOICES
-from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, ReuseConfig
+from kvsplice.config import WEIGHT_FORMAT_CHOICES, EngineConfig
+from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, EnvVar, ReuseConfig, check_field
 
 BAD_INPUT = 2
+
+# The SCR settings offered as flags, by ReuseConfig field name; a name missing from ENV_TABLE is skipped.
+SCR_FLAG_FIELDS: tuple[str, ...] = ("enabled", "max_spans", "tail", "min_span", "seam_tokens", "message_start_tokens")
+
+MODEL, CACHE, SCHEDULER, SCR, SERVER = "model", "cache", "scheduler", "suffix cache reuse (SCR)", "server / frontend"
+GROUP_HELP = {
+    MODEL: None,
+    CACHE: None,
+    SCHEDULER: None,
+    SCR: "flag > KVREUSE_* variable > default. The other SCR settings (session store and matching, diff "
+         "chunking, hybrid-model state, control experiments) are set by KVREUSE_* variables only "
+         "(docs/SERVING.md lists them)",
+    SERVER: "address, chat parsing, API keys, request limits (past the body limit: 413; past the others: 400)",
+}
 
 
 def _typed(parser_fn: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -39,65 +60,17 @@ def _typed(parser_fn: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add --model/--model-path, every EngineConfig flag, every ENV_TABLE SCR flag and --no-scr."""
-    parser.add_argument("--model", "--model-path", dest="model", default=None,
-                        help="HF model dir, GGUF file, llama2.c .bin or hub id (default: SmolLM2-135M-Instruct)")
-    group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto",
-                       help="auto | float32 | bfloat16 | float16 (default auto: bfloat16 where the CPU has "
-                            "native bf16 matmul, avx512_bf16 / amx_bf16, else float32)")
-    group.add_argument("--weight-format", default=None, choices=WEIGHT_FORMAT_CHOICES,
-                       help="projection / lm_head weights: auto (int4 where the checkpoint already is int4 "
-                            "data, e.g. a Q4_0 / Q4_1 GGUF, with bf16), dense, int8, int4 (default auto)")
-    group.add_argument("--no-fast-path", action="store_true",
-                       help="run every step on the reference Decoder (no fused / packed fast path)")
-    group.add_argument("--compile-decode", action="store_true",
-                       help="compile decode-only steps with torch.compile (inductor, C++ wrapper): fewer "
-                            "per-op dispatches per token; start-up compiles first (minutes on 2 cores, under a "
-                            "minute once inductor's cache holds it); needs int4 / int8 weights and a C++ compiler")
-    group.add_argument("--decode-arena-tokens", type=int, default=None,
-                       help="bound (tokens) of the contiguous K/V copies of decoding requests; 0 = off")
-    group.add_argument("--step-budget-ratio", type=float, default=None,
-                       help="while requests decode, size each step's prefill share so that the step takes "
-                            "about this many times a decode-only step (default 2.5)")
-    group.add_argument("--min-prefill-tokens", type=int, default=None,
-                       help="prefill tokens every step carries at least, so prefill always progresses (default 16)")
-    group.add_argument("--decode-threads", type=_decode_threads, default="auto",
-                       help="intra-op threads of steps with decode rows: N, or auto (default: every thread, as the "
-                            "other steps get; a smaller N leaves cores to other work while tokens stream)")
-    group.add_argument("--prefill-lane-threads", type=_prefill_lane_threads, default="auto",
-                       help="while requests decode, prefill other requests on a thread of their own with N "
-                            "intra-op threads (the decode steps run alone on the rest); 0 = off: prefill "
-                            "chunks share the decode steps; auto (default): 1 where the process has 2 threads "
-                            "or more, else 0")
-    group.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    group.add_argument("--num-slots", type=int, default=None, help="KV pool size in tokens")
-    group.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one forward")
-    group.add_argument("--max-running", type=int, default=None, help="requests decoding at once")
-    group.add_argument("--max-waiting", type=int, default=None, help="queue length beyond which requests get 503")
-    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
-    group.add_argument("--num-state-slots", type=int, default=None,
-                       help="recurrent-state slots of a hybrid model (default from --max-running)")
-    group.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
-    scr = parser.add_argument_group("suffix cache reuse (flag > env var > default)")
-    scr.add_argument("--no-scr", action="store_true", help="turn SCR off (same as --scr-enabled 0)")
-    for entry in ENV_TABLE:
-        kwargs: dict[str, Any] = {"dest": f"scr_{entry.field}", "default": None, "type": _typed(entry.parser),
-                                  "help": f"{entry.help} [env {entry.name}]"}
-        if FIELD_TYPES[entry.field] is bool:
-            kwargs.update(nargs="?", const=True, metavar="BOOL")
-        scr.add_argument(entry.flag, **kwargs)
+class DeprecatedFlag(argparse.Action):
+    """A hidden flag kept so that old command lines still work: it stores what its replacement would
+    (`const` when it takes no value) and prints one line to stderr naming the replacement."""
 
+    def __init__(self, option_strings: list[str], dest: str, replacement: str, **kwargs: Any):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.replacement = replacement
 
-def reuse_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ReuseConfig:
-    """ReuseConfig from defaults, then KVREUSE_* variables in `environ`, then flags. ValueError if bad."""
-    config = ReuseConfig.from_env(environ)
-    overrides = {entry.field: getattr(args, f"scr_{entry.field}") for entry in ENV_TABLE
-                 if getattr(args, f"scr_{entry.field}", None) is not None}
-    if args.no_scr:
-        overrides["enabled"] = False
-    return config.replace(**overrides) if overrides else config
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"kvsplice: {option_string} is deprecated and will be removed; {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def _auto_or_count(low: int, high: int) -> Callable[[str], int | str]:
@@ -112,11 +85,143 @@ def _auto_or_count(low: int, high: int) -> Callable[[str], int | str]:
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected auto or an integer in [{low}, {high}], got {raw!r}")
         return value
+    parse.__name__ = "count"
     return parse
 
 
-_decode_threads = _auto_or_count(1, 1024)
-_prefill_lane_threads = _auto_or_count(0, 1024)
+class EngineFlag(NamedTuple):
+    """One EngineConfig field offered as a flag. The flag's name is the field's (`--num-slots`; a
+    boolean field that defaults to True gets `--no-<name>`), its type and default are the field's,
+    unless `parse` / `cli_default` say otherwise (the CLI's "auto" values)."""
+
+    field: str
+    group: str
+    help: str
+    metavar: Optional[str] = None
+    parse: Optional[Callable[[str], Any]] = None
+    cli_default: Any = None
+    choices: Optional[tuple[str, ...]] = None
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("dtype", MODEL, "weights and KV dtype: auto | float32 | bfloat16 | float16; auto is bfloat16 where "
+               "the CPU has native bf16 matmul (avx512_bf16 / amx_bf16), else float32", cli_default="auto"),
+    EngineFlag("weight_format", MODEL, "projection / lm_head weights: auto (int4 where the checkpoint already is "
+               "int4 data, e.g. a Q4_0 / Q4_1 GGUF, with bf16), dense, int8, int4", choices=WEIGHT_FORMAT_CHOICES),
+    EngineFlag("max_model_len", MODEL, "longest prompt + completion (default: the model's own limit)"),
+    EngineFlag("device", MODEL, "torch device"),
+    EngineFlag("fast_path", MODEL, "run every step on the reference Decoder (no fused / packed fast path)"),
+    EngineFlag("compile_decode", MODEL, "compile decode-only steps with torch.compile (inductor, C++ wrapper): "
+               "fewer per-op dispatches per token; start-up compiles first (minutes on 2 cores, under a minute "
+               "once inductor's cache holds it); needs int4 / int8 weights and a C++ compiler"),
+    EngineFlag("num_slots", CACHE, "KV pool size in tokens"),
+    EngineFlag("prefix_cache", CACHE, "turn the radix prefix cache off (and with it SCR)"),
+    EngineFlag("decode_arena_tokens", CACHE, "bound (tokens) of the contiguous K/V copies of decoding requests; "
+               "0 = off"),
+    EngineFlag("num_state_slots", CACHE, "recurrent-state slots of a hybrid model (default from --max-running)"),
+    EngineFlag("max_batch_tokens", SCHEDULER, "token budget of one forward (the chunked-prefill size)"),
+    EngineFlag("max_running", SCHEDULER, "requests decoding at once"),
+    EngineFlag("max_waiting", SCHEDULER, "queue length beyond which requests get 503"),
+    EngineFlag("step_budget_ratio", SCHEDULER, "without a prefill lane, while requests decode, size each step's "
+               "prefill share so that the step takes about this many times a decode-only step"),
+    EngineFlag("min_prefill_tokens", SCHEDULER, "prefill tokens every step carries at least, so prefill always "
+               "progresses"),
+    EngineFlag("decode_threads", SCHEDULER, "intra-op threads of steps with decode rows: N, or auto (every "
+               "thread, as the other steps get; a smaller N leaves cores to other work while tokens stream)",
+               metavar="N|auto", parse=_auto_or_count(1, 1024), cli_default="auto"),
+    EngineFlag("prefill_lane_threads", SCHEDULER, "while requests decode, prefill other requests on a thread of "
+               "their own with N intra-op threads (the decode steps run alone on the rest); 0 = off: prefill "
+               "chunks share the decode steps; auto: 1 where the process has 2 threads or more, else 0",
+               metavar="N|auto", parse=_auto_or_count(0, 1024), cli_default="auto"),
+)
+
+_ENGINE_FIELDS = {spec.name: spec for spec in dataclasses.fields(EngineConfig)}
+
+
+def _field_type(name: str) -> type:
+    """The type of EngineConfig field `name`, without its `| None`."""
+    hint = typing.get_type_hints(EngineConfig)[name]
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return args[0] if args else hint
+
+
+def _add_engine_flag(group: argparse._ArgumentGroup, spec: EngineFlag) -> None:
+    """Add `spec` to `group`; unset, it is None (EngineConfig's default) or its `cli_default`."""
+    default = _ENGINE_FIELDS[spec.field].default
+    name = spec.field.replace("_", "-")
+    if _field_type(spec.field) is bool:
+        flag = f"--no-{name}" if default else f"--{name}"
+        group.add_argument(flag, dest=spec.field, action="store_const", const=not default, default=None,
+                           help=spec.help)
+        return
+    shown = spec.cli_default if spec.cli_default is not None else default
+    suffix = f" (default {shown})" if shown is not None else ""
+    group.add_argument(f"--{name}", dest=spec.field, type=spec.parse or _field_type(spec.field),
+                       default=spec.cli_default, choices=spec.choices, help=spec.help + suffix,
+                       metavar=spec.metavar or (None if spec.choices else _metavar(_field_type(spec.field), name)))
+
+
+def _metavar(kind: type, name: str) -> str:
+    """N for a count, F for a number, else the flag's last word (DTYPE, DEVICE, MODE)."""
+    return {int: "N", float: "F"}.get(kind, name.split("-")[-1].upper())
+
+
+def _scr_default(field: str) -> str:
+    value = getattr(ReuseConfig(), field)
+    return str(int(value)) if isinstance(value, bool) else str(value)
+
+
+def _scr_kwargs(entry: EnvVar) -> dict[str, Any]:
+    """argparse keywords shared by the SCR flag of `entry` and its hidden alias."""
+    kind = FIELD_TYPES.get(entry.field, str)
+    kwargs: dict[str, Any] = {"dest": f"scr_{entry.field}", "default": None, "type": _typed(entry.parser),
+                              "metavar": "BOOL" if kind is bool else _metavar(kind, entry.flag)}
+    if kind is bool:
+        kwargs.update(nargs="?", const=True)
+    return kwargs
+
+
+def add_scr_args(group: argparse._ArgumentGroup, table: tuple[EnvVar, ...] = ENV_TABLE) -> None:
+    """A flag for each entry of `table` whose field is in SCR_FLAG_FIELDS; every other entry keeps its
+    old flag as a hidden deprecated alias of its variable; `--no-scr` a hidden alias of `--scr-enabled 0`.
+    Fields named in SCR_FLAG_FIELDS but absent from `table` are skipped."""
+    for entry in table:
+        if entry.field in SCR_FLAG_FIELDS:
+            group.add_argument(entry.flag, help=f"{entry.help} (default {_scr_default(entry.field)}) "
+                                                f"[env {entry.name}]", **_scr_kwargs(entry))
+        else:
+            group.add_argument(entry.flag, action=DeprecatedFlag, replacement=f"set {entry.name} instead",
+                               **_scr_kwargs(entry))
+    enabled = next((entry.flag for entry in table if entry.field == "enabled"), None)
+    if enabled is not None:
+        group.add_argument("--no-scr", dest="scr_enabled", action=DeprecatedFlag, nargs=0, const=False,
+                           replacement=f"use {enabled} 0")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """Add the model, cache, scheduler and SCR groups (every ENGINE_FLAGS entry, --model, the SCR flags
+    of SCR_FLAG_FIELDS) and the hidden deprecated aliases; returns the groups by title."""
+    groups = {title: parser.add_argument_group(title, GROUP_HELP[title]) for title in (MODEL, CACHE, SCHEDULER, SCR)}
+    groups[MODEL].add_argument("--model", dest="model", default=None,
+                               help="HF model dir, GGUF file, llama2.c .bin or hub id "
+                                    "(default: SmolLM2-135M-Instruct)")
+    groups[MODEL].add_argument("--model-path", dest="model", action=DeprecatedFlag, replacement="use --model")
+    for spec in ENGINE_FLAGS:
+        _add_engine_flag(groups[spec.group], spec)
+    add_scr_args(groups[SCR])
+    return groups
+
+
+def reuse_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ReuseConfig:
+    """ReuseConfig from defaults, then KVREUSE_* variables in `environ`, then flags. ValueError if bad
+    (naming the flag)."""
+    config = ReuseConfig.from_env(environ)
+    overrides = {entry.field: getattr(args, f"scr_{entry.field}") for entry in ENV_TABLE
+                 if getattr(args, f"scr_{entry.field}", None) is not None}
+    for entry in ENV_TABLE:
+        if entry.field in overrides:
+            check_field(entry.field, overrides[entry.field], label=entry.flag)
+    return config.replace(**overrides) if overrides else config
 
 
 def resolve_prefill_lane_threads(value: int | str, threads: int) -> int:
@@ -127,23 +232,18 @@ def resolve_prefill_lane_threads(value: int | str, threads: int) -> int:
     return int(value)
 
 
-def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]):
+def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> EngineConfig:
     """EngineConfig from parsed engine flags (unset flags keep EngineConfig's defaults). ValueError if bad."""
-    from kvsplice.config import EngineConfig
-
     import torch
 
-    decode_threads = None if args.decode_threads == "auto" else args.decode_threads
-    lane_threads = resolve_prefill_lane_threads(args.prefill_lane_threads, torch.get_num_threads())
-    kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "device": args.device,
-                              "decode_threads": decode_threads, "prefill_lane_threads": lane_threads,
-                              "prefix_cache": not args.no_prefix_cache, "fast_path": not args.no_fast_path,
-                              "compile_decode": args.compile_decode, "reuse": reuse_config_from_args(args, environ)}
-    for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting", "max_model_len", "num_state_slots",
-                 "weight_format", "decode_arena_tokens", "step_budget_ratio", "min_prefill_tokens"):
-        value = getattr(args, name)
+    kwargs: dict[str, Any] = {"model": args.model, "reuse": reuse_config_from_args(args, environ)}
+    for spec in ENGINE_FLAGS:
+        value = getattr(args, spec.field)
         if value is not None:
-            kwargs[name] = value
+            kwargs[spec.field] = value
+    if kwargs.get("decode_threads") == "auto":
+        del kwargs["decode_threads"]   # auto: EngineConfig's default, every thread
+    kwargs["prefill_lane_threads"] = resolve_prefill_lane_threads(args.prefill_lane_threads, torch.get_num_threads())
     return EngineConfig(**kwargs)
 
 
@@ -153,9 +253,22 @@ def _check_model_arg(model: Optional[str]) -> None:
         raise ValueError(f"--model: {model} does not exist")
 
 
-def add_security_args(parser: argparse.ArgumentParser) -> None:
-    """--api-key (repeatable) and --expose-model-path."""
-    group = parser.add_argument_group("security (docs/SECURITY.md)")
+def add_server_args(group: argparse._ArgumentGroup) -> None:
+    """The server / frontend flags: address, names in logs, parsers, chat template, keys, request limits
+    (RequestLimits, kvsplice.server.limits)."""
+    from kvsplice.server import limits
+
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    group.add_argument("--replica-name", default=None, metavar="NAME", help="name put in every request log line")
+    group.add_argument("--log-level", default="warning", metavar="LEVEL", help="uvicorn log level (default warning)")
+    group.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) used instead of the model's")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="tool-call syntax of the model, by vLLM's names: hermes | llama3_json | mistral "
+                            "(default: detected from the chat template; hermes when it has none)")
+    group.add_argument("--reasoning-parser", action="store_true",
+                       help="move <think>...</think> blocks of replies into reasoning_content")
     group.add_argument("--api-key", action="append", dest="api_keys", default=None, metavar="KEY",
                        help="accept requests with `Authorization: Bearer KEY` only (every route but the health "
                             "probes, /metrics and /get_load); repeat for several tenants, each with its own cache "
@@ -163,26 +276,19 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--expose-model-path", action="store_true",
                        help="show the model's filesystem path in /get_server_info, /get_model_info and /v1/models "
                             "(by default they show the served model name)")
-
-
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    """The per-request limits of RequestLimits (kvsplice.server.limits)."""
-    from kvsplice.server import limits
-
-    group = parser.add_argument_group("request limits (past them: 413 for the body, 400 otherwise)")
-    group.add_argument("--max-body-bytes", type=int, default=None,
+    group.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                        help=f"request body size (default: context tokens x {limits.BYTES_PER_TOKEN} + "
                             f"{limits.BODY_OVERHEAD >> 20} MiB)")
-    group.add_argument("--max-messages", type=int, default=None,
+    group.add_argument("--max-messages", type=int, default=None, metavar="N",
                        help="messages in one chat request (default: the context length in tokens)")
-    group.add_argument("--max-stop", type=int, default=limits.MAX_STOP,
+    group.add_argument("--max-stop", type=int, default=limits.MAX_STOP, metavar="N",
                        help=f"entries of `stop`, and of `stop_token_ids` (default {limits.MAX_STOP})")
-    group.add_argument("--max-stop-chars", type=int, default=limits.MAX_STOP_CHARS,
+    group.add_argument("--max-stop-chars", type=int, default=limits.MAX_STOP_CHARS, metavar="N",
                        help=f"characters of one stop string (default {limits.MAX_STOP_CHARS})")
-    group.add_argument("--max-id-chars", type=int, default=limits.MAX_ID_CHARS,
+    group.add_argument("--max-id-chars", type=int, default=limits.MAX_ID_CHARS, metavar="N",
                        help=f"characters of session_id, cache_salt, X-SMG-Routing-Key and rid "
                             f"(default {limits.MAX_ID_CHARS})")
-    group.add_argument("--max-json-depth", type=int, default=limits.MAX_JSON_DEPTH,
+    group.add_argument("--max-json-depth", type=int, default=limits.MAX_JSON_DEPTH, metavar="N",
                        help=f"nesting of arrays and objects in a request body (default {limits.MAX_JSON_DEPTH})")
 
 
@@ -200,23 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsplice", description="LLM serving with Suffix Cache Reuse.")
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,pull,bench,report,workload,fidelity}")
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
-    add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="names to serve the model under: responses report the first, requests may use "
-                            "any (default: the model's name, e.g. SmolLM2-135M-Instruct)")
-    serve.add_argument("--replica-name", default=None, help="name put in every request log line")
-    serve.add_argument("--reasoning-parser", action="store_true",
-                       help="move <think>...</think> blocks of replies into reasoning_content")
-    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                       help="tool-call syntax of the model, by vLLM's names: hermes | llama3_json | mistral "
-                            "(default: detected from the chat template; hermes when it has none)")
-    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
-                       help="a Jinja chat template (a file, or the template itself) used instead of the model's")
-    serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
-    add_security_args(serve)
-    add_limit_args(serve)
+    groups = add_engine_args(serve)
+    groups[MODEL].add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                               help="names to serve the model under: responses report the first, requests may "
+                                    "use any (default: the model's name, e.g. SmolLM2-135M-Instruct)")
+    add_server_args(serve.add_argument_group(SERVER, GROUP_HELP[SERVER]))
     generate = sub.add_parser("generate", help="print one completion")
     add_engine_args(generate)
     generate.add_argument("--prompt", required=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -10,8 +12,9 @@ import time
 import httpx
 import pytest
 
-from kvsplice.cli import (build_parser, engine_config_from_args, main, resolve_prefill_lane_threads,
-                          reuse_config_from_args)
+from kvsplice.cli import (SCR_FLAG_FIELDS, add_scr_args, build_parser, engine_config_from_args, main,
+                          resolve_prefill_lane_threads, reuse_config_from_args)
+from kvsplice.reuse.config import ENV_TABLE
 from kvsplice.server.launch import free_port
 from tests.tiny_model import make_tiny_model_dir
 
@@ -28,8 +31,44 @@ def _serve_args(*argv: str):
 def test_serve_help_exits_zero(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "--model" in out and "--scr-max-spans" in out and "--no-scr" in out and "--replica-name" in out
+    assert "--model" in out and "--scr-max-spans" in out and "--scr-enabled" in out and "--replica-name" in out
     assert "--tool-call-parser" in out and "--chat-template" in out
+
+
+GROUPS = ("model", "cache", "scheduler", "suffix cache reuse (SCR)", "server / frontend")
+
+
+def _shown_options(help_text: str) -> list[str]:
+    """The option strings of every option line of an argparse help text (`  --a X, --b X   help`)."""
+    shown = []
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            invocation = re.split(r"\s{2,}", line.strip())[0]
+            shown += [part.split()[0] for part in invocation.split(", ")]
+    return shown
+
+
+def test_serve_help_has_at_most_40_options_in_vllm_s_groups(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")   # one option per line: argparse wraps to the terminal width
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    shown = [opt for opt in _shown_options(out) if opt not in ("-h", "--help")]
+    assert len(shown) == len(set(shown)) and 20 <= len(shown) <= 40, shown
+    for title in GROUPS:
+        assert f"\n{title}:\n" in out, title
+    assert not {"--no-scr", "--model-path", "--scr-match-min-ratio", "--scr-fastdiff-min"} & set(shown)
+    scr_flags = {entry.flag for entry in ENV_TABLE if entry.field in SCR_FLAG_FIELDS}
+    assert scr_flags <= set(shown) and len(scr_flags) <= 8
+
+
+def test_scr_flags_tolerate_settings_missing_from_the_table():
+    parser = argparse.ArgumentParser()
+    group = parser.add_argument_group("scr")
+    add_scr_args(group, tuple(entry for entry in ENV_TABLE if entry.field not in ("seam_tokens", "enabled")))
+    assert "--scr-seam-tokens" not in parser.format_help()
+    assert parser.parse_args(["--scr-tail", "4"]).scr_tail == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--no-scr"])   # no enabled setting: no alias for it either
 
 
 @pytest.mark.parametrize("argv", [
@@ -39,7 +78,9 @@ def test_serve_help_exits_zero(capsys):
     ["serve", "--tool-call-parser", "pythonic"], ["serve", "--chat-template", "/no/such/template.jinja"],
     ["serve", "--chat-template", "{% for m in messages %}"], ["serve", "--decode-threads", "0"],
     ["serve", "--decode-threads", "some"], ["serve", "--prefill-lane-threads", "-1"],
-    ["serve", "--prefill-lane-threads", "one"],
+    ["serve", "--prefill-lane-threads", "one"], ["serve", "--scr-seam-tokens", "-1"], ["serve", "--scr-enabled", "maybe"],
+    ["serve", "--weight-format", "int3"], ["serve", "--step-budget-ratio", "fast"], ["serve", "--no-scr", "1"],
+    ["serve", "--scr-match-min-ratio", "2"], ["serve", "--scr-cdc-target", "100"], ["generate", "--prompt", "x", "--scr-tail", "0"],
 ])
 def test_bad_input_exits_2_with_a_message(argv, capsys):
     assert main(argv) == 2
@@ -51,13 +92,42 @@ def test_scr_precedence_flag_over_env_over_default():
     config = reuse_config_from_args(_serve_args("--scr-max-spans", "5"), env)
     assert (config.max_spans, config.tail) == (5, 4)
     assert config.min_span == reuse_config_from_args(_serve_args(), {}).min_span
-    assert reuse_config_from_args(_serve_args("--no-scr"), {}).enabled is False
-    assert reuse_config_from_args(_serve_args("--scr-no-rerotate"), {}).no_rerotate is True
     assert reuse_config_from_args(_serve_args("--scr-enabled", "0"), {"KVREUSE_ENABLED": "1"}).enabled is False
+    assert reuse_config_from_args(_serve_args("--scr-enabled"), {"KVREUSE_ENABLED": "0"}).enabled is True
+    config = reuse_config_from_args(_serve_args("--scr-seam-tokens", "4", "--scr-message-start-tokens", "0"), {})
+    assert (config.seam_tokens, config.message_start_tokens) == (4, 0)
 
 
-def test_engine_flags_and_model_path_alias():
-    args = _serve_args("--model-path", "m", "--num-slots", "128", "--max-batch-tokens", "64", "--max-running", "2",
+@pytest.mark.parametrize("old, new, replacement", [
+    (["--no-scr"], ["--scr-enabled", "0"], "--scr-enabled 0"),
+    (["--model-path", "m"], ["--model", "m"], "--model"),
+    (["--scr-match-min-ratio", "0.7"], [], "KVREUSE_MATCH_MIN_RATIO"),
+    (["--scr-max-sessions", "3"], [], "KVREUSE_MAX_SESSIONS"),
+    (["--scr-state-mode", "fork"], [], "KVREUSE_SSM_MODE"),
+])
+def test_deprecated_flags_still_work_and_name_their_replacement(old, new, replacement, capsys):
+    variable = next((entry.name for entry in ENV_TABLE if entry.flag == old[0]), None)
+    environ = {variable: old[1]} if variable else {}
+    expected = engine_config_from_args(_serve_args(*new), {} if new else environ)
+    assert capsys.readouterr().err == ""
+    assert engine_config_from_args(_serve_args(*old), {}) == expected
+    warning = capsys.readouterr().err.strip()
+    assert warning.count("\n") == 0 and old[0] in warning and "deprecated" in warning and replacement in warning
+
+
+def test_every_hidden_scr_flag_sets_its_setting():
+    for entry in ENV_TABLE:
+        if entry.field not in SCR_FLAG_FIELDS:
+            default = getattr(reuse_config_from_args(_serve_args(), {}), entry.field)
+            raw = {bool: "1", int: "8", float: "0.25"}.get(type(default))
+            if raw is not None:
+                config = reuse_config_from_args(_serve_args(entry.flag, raw), {})
+                assert getattr(config, entry.field) == getattr(reuse_config_from_args(_serve_args(), {entry.name: raw}),
+                                                               entry.field), entry.flag
+
+
+def test_engine_flags():
+    args = _serve_args("--model", "m", "--num-slots", "128", "--max-batch-tokens", "64", "--max-running", "2",
                        "--max-waiting", "3", "--max-model-len", "100", "--dtype", "bfloat16", "--no-prefix-cache")
     config = engine_config_from_args(args, {})
     assert (config.model, config.num_slots, config.max_batch_tokens, config.max_running, config.max_waiting,

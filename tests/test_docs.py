@@ -64,6 +64,21 @@ def test_every_scr_variable_and_per_request_key_is_in_serving_md():
         assert documented(text, field), field
 
 
+def test_the_scr_variable_table_matches_env_table():
+    """The table of SCR variables lists every ENV_TABLE entry once, with its setting, default and flag."""
+    from kvsplice.reuse.config import ReuseConfig
+
+    text = SERVING.read_text().split("### SCR settings by environment variable", 1)[1].split("\n#", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split(" | ")] for line in text.splitlines()
+            if line.startswith("| `KVREUSE_")]
+    documented_rows = {row[0].strip("`"): (row[1].strip("`"), row[2], row[3].split("`")[1]) for row in rows}
+    expected = {}
+    for entry in ENV_TABLE:
+        value = getattr(ReuseConfig(), entry.field)
+        expected[entry.name] = (entry.field, str(int(value)) if isinstance(value, bool) else str(value), entry.flag)
+    assert len(rows) == len(documented_rows) and documented_rows == expected
+
+
 def test_every_usage_reuse_field_is_in_serving_md():
     text = SERVING.read_text()
     fields = [f.name for f in dataclasses.fields(ReuseStats)]

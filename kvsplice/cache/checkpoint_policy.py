@@ -5,7 +5,7 @@ resume only where a state was saved (a checkpoint). When a later prompt diverges
 cut back to the deepest checkpoint c <= d and the tokens [c, d) are prefilled again even though their
 K/V is cached: the gap d - c is what checkpoints are placed to keep small.
 
-Policy text (`--scr-checkpoint-policy`, env KVREUSE_SSM_CHECKPOINT_POLICY): terms joined by "+".
+Policy text (env KVREUSE_SSM_CHECKPOINT_POLICY): terms joined by "+".
 
     messages   the state before every message the request marks (`message_offsets`: where each chat
                message starts, from the chat template) and at the end of its prompt (where the reply

@@ -1,5 +1,5 @@
-"""`kvsplice serve` flags for keys and limits: parsed into ServerSettings' parts; bad values exit 2
-before the model is loaded."""
+"""`kvsplice serve` flags for keys and limits (the server / frontend group): parsed into ServerSettings'
+parts; bad values exit 2 before the model is loaded."""
 
 from __future__ import annotations
 
@@ -32,3 +32,11 @@ def test_api_key_flags_repeat():
 def test_bad_values_exit_2_with_a_message(argv, needle, capsys):
     assert main(argv) == BAD_INPUT
     assert needle in capsys.readouterr().err
+
+
+def test_key_limit_and_address_flags_are_in_the_server_group():
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    group = next(g for g in serve._action_groups if g.title == "server / frontend")
+    flags = {opt for action in group._group_actions for opt in action.option_strings}
+    assert {"--host", "--port", "--api-key", "--expose-model-path", "--max-body-bytes", "--max-json-depth",
+            "--chat-template", "--tool-call-parser"} <= flags
