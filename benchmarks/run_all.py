@@ -8,7 +8,8 @@ Each benchmark's stdout is stored whole in docs/benchmarks/<name>.txt; the page 
 stored outputs, so `--only` refreshes some sections and keeps the others as they were last measured.
 The page shows each output's summary lines only (`Benchmark.keep`), with the exact command that
 produced them, the setting it was measured at, its date and its CPU, and stays under PAGE_BUDGET
-bytes. Assembling reads nothing but the stored files: the same files give the same page.
+bytes; its headline figures are docs/benchmarks/headlines.md, which the README quotes word for word.
+Assembling reads nothing but the stored files: the same files give the same page.
 Superseded runs and experiments that were not kept live in docs/BENCHMARKS_HISTORY.md.
 """
 
@@ -37,9 +38,10 @@ FLOAT32 = "`--dtype float32` (in-process engine)"
 HARNESS = ("`kvsplice fidelity` at float32; each row sends its own SCR settings: the default is `seams 8, "
            "openings 1`.")
 SCR_30_NOV = "SCR of 30 November: no seams, no message openings"
+SCR_16 = "SCR default of then: 16 seam tokens, no message openings"
+# what the fidelity runs show: their front table (the per-case log lines before it stay in the stored output)
 FRONT_START = r"^front over"
 FRONT_COLUMNS = ("setting", "computed", "mean KL", "p90", "worst case", "answer KL")
-SCR_16 = "SCR default of then: 16 seam tokens, no message openings"
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class Benchmark:
     setting: str
     keep: tuple[str, ...] = ()
     columns: tuple[str, ...] = ()
-    start: str = ""
+    start: str | None = None
 
 
 BENCHMARKS = (
@@ -67,7 +69,7 @@ BENCHMARKS = (
               "Prefill tokens/s of one 2,048-token prompt and decode tokens/s at 1 and 8 concurrent requests "
               "against transformers on the same weights. Goals: prefill >= 1.0x, 8-way decode >= 2x "
               "transformers' one-at-a-time generate().",
-              f"{FLOAT32} (transformers runs the same fp32 weights); measured before the fast path and "
+              f"{FLOAT32}, as transformers; measured before the fast path and "
               "`--dtype auto` existed."),
     Benchmark("serve_load", "Server under load: 32 clients x 4 turns", "server",
               "python benchmarks/serve_load.py --out runs/serve_load.json",
@@ -119,7 +121,7 @@ BENCHMARKS = (
               "lengths with and without the message openings (K=6, tail=16), and fp8 K/V anchors (exact K/V "
               "stored as float8 e4m3). Targets at the default: mean KL <= 0.0015 nats within 8% computed, worst "
               "case <= 0.03.",
-              f"{HARNESS}. The run also measured two recompute-share policies, since removed; their rows are in "
+              f"{HARNESS} The run also measured two recompute-share policies, since removed; their rows are in "
               "the history.",
               (r"^front over", r"^\| setting \| computed", r"^\| (fp8 K/V per tensor|K=6 tail=16 \||seams (8|16)[ ,])",
                r"^chosen"), FRONT_COLUMNS, FRONT_START),
@@ -361,7 +363,7 @@ def section(bench: Benchmark) -> list[str]:
     if not stored.exists():
         return parts + [f"Setting: {bench.setting}", "", "```bash", bench.command, "```", "", "Not measured yet.", ""]
     first, *rest = stored.read_text().rstrip().splitlines()
-    if bench.start:
+    if bench.start is not None:
         rest = rest[next((i for i, line in enumerate(rest) if re.search(bench.start, line)), 0):]
     parts += [f"Setting: {bench.setting} Measured {measured_on(first)}.", "",
               "```bash", bench.command, "```", "", "```", *excerpt(rest, bench.keep, bench.columns), "```"]
