@@ -274,7 +274,8 @@ of `kvsplice serve` with no flags: SCR with at most 6 relocated spans (K=6), a r
 tokens per span, and selective recompute of the first 8 tokens of every relocated span
 (`--scr-seam-tokens 8`) and of every message opening inside an edited span (role, line break, first
 content token: `--scr-message-start-tokens 1`); `--dtype auto` (bf16 where the CPU has avx512_bf16
-/ amx_bf16, else float32), `--weight-format auto` (the GGUF's 4-bit groups), no `--compile-decode`.
+/ amx_bf16, else float32), `--weight-format auto` (with bf16, the GGUF's 4-bit groups), no
+`--compile-decode`.
 
 Each section gives its setting, date and CPU. A setting other than the defaults is named:
 `--dtype float32` where a script builds the engine in its own process (float32 is the default
