@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -140,3 +142,53 @@ def test_relative_links_resolve():
             if not (base / target.split("#")[0]).exists():
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+BENCHMARKS = DOCS / "BENCHMARKS.md"
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def run_all_module() -> SimpleNamespace:
+    """The globals of benchmarks/run_all.py, the script that assembles docs/BENCHMARKS.md (benchmarks/
+    is no package; runpy gives its dataclasses the module they need while it runs)."""
+    return SimpleNamespace(**runpy.run_path(str(ROOT / "benchmarks" / "run_all.py"), run_name="run_all"))
+
+
+def headline_bullets(text: str) -> list[str]:
+    """The bullets of the '## Headline figures' section of `text`, each on one line."""
+    section = text.split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
+    return [" ".join(item.split()) for item in re.split(r"\n- ", "\n" + section.strip())[1:]]
+
+
+def test_benchmarks_page_fits_its_budget():
+    size = len(BENCHMARKS.read_bytes())
+    assert size <= run_all_module().PAGE_BUDGET <= 40_000, f"docs/BENCHMARKS.md is {size:,} bytes"
+
+
+def test_benchmarks_page_is_what_run_all_assembles_from_the_stored_outputs():
+    assert run_all_module().assemble() == BENCHMARKS.read_text(), \
+        "docs/BENCHMARKS.md is out of date: run python benchmarks/run_all.py --assemble-only"
+
+
+def test_every_benchmark_section_names_its_setting_date_and_command():
+    sections = BENCHMARKS.read_text().split("\n## ")[2:]  # after the introduction and the headlines
+    assert len(sections) == len(run_all_module().BENCHMARKS)
+    for section in sections:
+        title = section.splitlines()[0]
+        assert "\nSetting: " in section and re.search(r" Measured 20\d\d-\d\d-\d\d ", section), title
+        assert "```bash\n" in section, title
+
+
+def test_readme_quotes_the_benchmarks_headlines():
+    readme = headline_bullets((ROOT / "README.md").read_text())
+    page = headline_bullets(BENCHMARKS.read_text())
+    assert readme and readme == page, "README.md's headline figures must be docs/BENCHMARKS.md's, word for word"
+
+
+def test_every_headline_figure_is_in_a_section_of_the_benchmarks_page():
+    text = BENCHMARKS.read_text()
+    body = text.split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[1].replace(",", "")
+    found = set(NUMBER.findall(body))
+    missing = [(number, bullet[:40]) for bullet in headline_bullets(text)
+               for number in NUMBER.findall(bullet) if number.replace(",", "") not in found]
+    assert not missing, f"headline figures no section of docs/BENCHMARKS.md shows: {missing}"
