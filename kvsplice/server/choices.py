@@ -37,7 +37,7 @@ class Choice:
     outputs: AsyncIterator[RequestOutput]
 
 
-# start(rid suffix, params) -> (tracker, outputs): submits one engine request (api._start)
+# start(rid suffix, params) -> (tracker, outputs): submits one engine request (tracking.submit)
 StartFn = Callable[[str, SamplingParams], Awaitable[tuple[Any, AsyncIterator[RequestOutput]]]]
 DrainFn = Callable[[AsyncIterator[RequestOutput]], Awaitable[None]]
 

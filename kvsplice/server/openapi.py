@@ -35,6 +35,16 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]} for status in statuses}
 
 
+# What each kind of route may answer besides 200 (the OpenAPI document declares exactly these).
+# An inference route answers JSON, or with "stream": true an event stream (Server-Sent Events).
+INFERENCE_ERRORS = {200: {"content": {"application/json": {}, "text/event-stream": {}}},
+                    **error_responses(400, 401, 404, 413, 500, 503)}
+READ_ERRORS = error_responses(401, 500)
+ADMIN_ERRORS = error_responses(401, 403, 500, 503)
+PROBE_ERRORS = error_responses(500, 503)
+TOKEN_ERRORS = error_responses(400, 401, 404, 413, 500)
+
+
 def install_openapi(app: FastAPI, body_models: Iterable[type[BaseModel]]) -> None:
     """Make `app.openapi()` build FastAPI's document plus the JSON schemas of `body_models`."""
     models = tuple(body_models)

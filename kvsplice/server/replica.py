@@ -1,12 +1,12 @@
 """What a kvsplice replica answers to a router in front of several replicas (sglang-router's plain HTTP mode).
 
 sglang-router 0.3.2 asks a worker for (checked against the router binary, see docs/SCALE_OUT.md):
-- registration: GET /server_info (falls back to /get_server_info), /model_info: answered by api.py;
+- registration: GET /server_info (falls back to /get_server_info), /model_info: answered by sglang_native.py;
 - health: GET /health every --health-check-interval-secs (or --health-check-endpoint, e.g. /readiness);
 - load: GET /get_load, only while a `power_of_two` policy is in use and for the router's GET /get_loads.
   It sums `num_tokens` over the returned array (one entry per data-parallel rank, as SGLang answers);
   a worker without /get_load is reported with load -1 and power_of_two then balances blind.
-- traffic: /v1/chat/completions, /v1/completions, /generate, POST /flush_cache: answered by api.py.
+- traffic: /v1/chat/completions, /v1/completions, /generate, POST /flush_cache: answered by the app (api.py).
 
 What the router drops: chat and /generate bodies lose `session_id`, `scr` and `cache_salt` (it
 re-serialises them through its own types; /v1/completions keeps them), and only the X-SMG-Routing-Key

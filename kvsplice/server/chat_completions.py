@@ -1,0 +1,129 @@
+"""POST /v1/chat/completions: messages -> the chat template's prompt ids (chat.py) -> `n` choices ->
+one `chat.completion` answer, or a stream of `chat.completion.chunk` events (sse.py).
+
+    body ─ tools, reply constraint (sampling.reply_plan) ─ prompt ids (worker pool) ─ SamplingParams
+         ─ choices (tracking.submit_choices) ─ reply text -> assistant message / deltas (replies.py)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from kvsplice.engine.request import RequestOutput
+from kvsplice.server import protocol as p
+from kvsplice.server.chat import ChatTemplateError
+from kvsplice.server.choices import Choice, merge
+from kvsplice.server.errors import ApiError, bind_request_id
+from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
+from kvsplice.server.replies import ReplyFormat
+from kvsplice.server.sampling import compile_constraint, max_tokens, openai_sampling, reply_plan
+from kvsplice.server.sse import stream_response
+from kvsplice.server.state import ServerState
+from kvsplice.server.tracking import RequestTracker, collect, submit_choices
+from kvsplice.server.usage import choices_usage, wants_stream_usage
+
+
+def install_chat_routes(app: FastAPI, state: ServerState) -> tuple[type[BaseModel], ...]:
+    """Add POST /v1/chat/completions to `app`; returns the body model it parses."""
+
+    @app.post("/v1/chat/completions", openapi_extra=json_request_body(p.ChatCompletionRequest),
+              responses=INFERENCE_ERRORS)
+    async def chat_completions(request: Request) -> Response:
+        body = await state.parse(request, p.ChatCompletionRequest)
+        chat = await _start(state, request, body)
+        tokenizer = state.engine.tokenizer
+        outputs = merge(chat.choices)
+        if body.stream:
+            return stream_response(chat.head["id"], _chunks(chat, body, tokenizer, outputs), outputs)
+        await collect(request, outputs)
+        return JSONResponse(_completion(chat, body, tokenizer))
+
+    return (p.ChatCompletionRequest,)
+
+
+@dataclass(frozen=True)
+class _Chat:
+    """A submitted chat completion: `head` (id, created, model) starts its answer and every chunk; `fmt`
+    turns its reply text into messages or deltas."""
+
+    head: dict[str, Any]
+    choices: list[Choice]
+    prefill: Optional[RequestTracker]
+    top_n: int
+    fmt: ReplyFormat
+
+
+async def _start(state: ServerState, request: Request, body: p.ChatCompletionRequest) -> _Chat:
+    """Check, render and submit the request (every refusal is raised here, before any answer)."""
+    rid = bind_request_id(request, f"chatcmpl-{uuid.uuid4().hex}")
+    state.check_model(body.model)
+    if body.max_tokens == 0:
+        raise ApiError(400, "max_tokens: must be >= 1 for chat completions", param="max_tokens")
+    tools, constraint, constraint_param = reply_plan(state, body)
+    await compile_constraint(state, constraint, constraint_param)
+    try:
+        prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools,
+                                             body.chat_template_kwargs)
+    except ChatTemplateError as error:
+        raise ApiError(400, str(error), param=error.param) from error
+    budget = max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
+    top_n = body.top_logprobs or 0
+    params = openai_sampling(body, budget, top_n if body.logprobs else None, None, constraint,
+                             tools.keep_special_tokens)
+    offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
+                                      body.chat_template_kwargs) if state.wants_message_offsets else None
+    choices, prefill = await submit_choices(state, request, body, "chat", rid, prompt_ids, params, body.n, offsets)
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    fmt = ReplyFormat(state.settings.reasoning_parser, tools, state.chat.parser)
+    return _Chat(head, choices, prefill, top_n, fmt)
+
+
+def _completion(chat: _Chat, body: p.ChatCompletionRequest, tokenizer) -> dict[str, Any]:
+    """The `chat.completion` answer of a finished request."""
+    out = []
+    for choice in chat.choices:
+        outputs = choice.tracker.outputs
+        message, reason = chat.fmt.message("".join(o.new_text for o in outputs), choice.tracker.last.finish_reason)
+        lps = [lp for o in outputs for lp in o.logprobs]
+        out.append({"index": choice.index, "message": message, "finish_reason": reason,
+                    "logprobs": _logprobs(tokenizer, lps, chat.top_n) if body.logprobs else None})
+    return {**chat.head, "object": "chat.completion", "choices": out,
+            "usage": choices_usage(chat.choices, chat.prefill)}
+
+
+async def _chunks(chat: _Chat, body: p.ChatCompletionRequest, tokenizer,
+                  outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[dict[str, Any], None]:
+    """The `chat.completion.chunk` payloads: each choice's role, its deltas, then (when asked) usage."""
+    chunk_head = {**chat.head, "object": "chat.completion.chunk"}
+    streams = [chat.fmt.stream() for _ in chat.choices]
+    for choice in chat.choices:
+        yield {**chunk_head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+    async for index, out in outputs:
+        delta = streams[index].feed(out.new_text, final=out.finished)
+        reason = streams[index].finish_reason(out.finish_reason) if out.finished else None
+        logprobs = _logprobs(tokenizer, out.logprobs, chat.top_n) if body.logprobs else None
+        if delta or out.finished or logprobs:
+            yield {**chunk_head, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
+                                              "logprobs": logprobs}]}
+    if wants_stream_usage(body):
+        yield {**chunk_head, "choices": [], "usage": choices_usage(chat.choices, chat.prefill)}
+
+
+def _logprobs(tokenizer, lps, top_n: int) -> dict[str, Any]:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.token_str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top[:top_n]]} for lp in lps]}

@@ -1,0 +1,129 @@
+"""Request fields -> what the engine runs: the completion budget, the prompt ids' check, SamplingParams
+from OpenAI's sampling fields (and from SGLang's `sampling_params`), and the structured constraint on
+the reply (tools forced by grammar, response_format, guided_*). Every refusal is a 400 naming the
+field it came from."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvsplice.sampling_params import SamplingParams
+from kvsplice.server import protocol as p
+from kvsplice.server.constraints import ConstraintError, reply_constraint
+from kvsplice.server.errors import ApiError, bad_request
+from kvsplice.server.state import ServerState
+from kvsplice.server.tools import ToolPlan, ToolRequestError, plan_tools
+from kvsplice.structured.spec import StructuredSpec
+
+# The fields a constraint on the reply may come from, in the order they are looked for.
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+
+
+def max_tokens(state: ServerState, prompt_len: int, requested: Optional[int], prompt_param: str,
+               budget_param: str = "max_tokens") -> int:
+    """The completion budget: `requested`, or the rest of the context; 400 (with the numbers) if the prompt
+    does not fit (naming `prompt_param`, the field that holds the prompt) or prompt + requested exceeds
+    the context (naming `budget_param`, the field that holds `requested`)."""
+    limit = state.context_limit
+    if prompt_len >= limit:
+        raise ApiError(400, f"the prompt has {prompt_len} tokens but this model's context limit is {limit} "
+                            f"tokens (prompt + completion); shorten the prompt", param=prompt_param,
+                       code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {budget_param} ({requested}) exceeds this "
+                            f"model's context limit of {limit} tokens", param=budget_param,
+                       code="context_length_exceeded")
+    return requested
+
+
+def check_prompt_ids(state: ServerState, prompt_ids: list[int], param: str) -> None:
+    """400 naming `param` for an empty prompt or a token id outside the vocabulary (the engine checks
+    too, but cannot say which field the ids came from)."""
+    if not prompt_ids:
+        raise ApiError(400, f"{param}: must not be empty", param=param)
+    vocab = state.engine.model_config.vocab_size
+    bad = next((token for token in prompt_ids if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def openai_sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],
+                    prompt_logprobs: Optional[int], structured: Optional[StructuredSpec] = None,
+                    keep_special_tokens: bool = False) -> SamplingParams:
+    """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1); an invalid
+    combination is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if fields.temperature is None else fields.temperature,
+            top_p=1.0 if fields.top_p is None else fields.top_p,
+            top_k=fields.top_k if fields.top_k not in (None, 0, -1) else None,
+            min_p=fields.min_p or 0.0,
+            seed=fields.seed,
+            stop=fields.stop or (),
+            stop_token_ids=tuple(fields.stop_token_ids or ()),
+            ignore_eos=fields.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=fields.skip_special_tokens and not keep_special_tokens,
+            presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+            logit_bias=fields.logit_bias or (),
+            min_tokens=fields.min_tokens,
+            structured=structured,
+        )
+    except ValueError as error:
+        name = str(error).split(":")[0].split(" ")[0]
+        raise ApiError(400, str(error), param=name if name in type(fields).model_fields else None) from error
+
+
+def sglang_sampling(sp: p.GenerateSamplingParams, max_tokens: int) -> SamplingParams:
+    """SamplingParams from SGLang's `sampling_params` (its own defaults, in protocol.py); an invalid
+    value is a 400 naming `sampling_params.<field>`."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                              top_k=sp.top_k if sp.top_k not in (None, 0, -1) else None, min_p=sp.min_p,
+                              seed=sp.seed, stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                              ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
+    except ValueError as exc:
+        raise bad_request(exc, "sampling_params.") from exc
+
+
+async def compile_constraint(state: ServerState, spec: Optional[StructuredSpec], param: str) -> None:
+    """Compile `spec` in a worker thread (the engine's compile is then a cache hit): a constraint
+    that cannot compile is a 400 naming `param` before the request is queued."""
+    if spec is None:
+        return
+    try:
+        await state.workers.run(state.engine.grammars.compile, spec)
+    except ValueError as error:
+        raise ApiError(400, str(error), param=param) from error
+
+
+def reply_plan(state: ServerState, body: p.ChatCompletionRequest) -> tuple[ToolPlan, Optional[StructuredSpec], str]:
+    """The request's ToolPlan, the constraint on its reply, and the field that constraint came from."""
+    try:
+        tools = plan_tools(body, state.chat.parser, state.vocab, state.special_tokens)
+        return tools, reply_constraint(body, tools.forced), "tools" if tools.forced else constraint_field(body)
+    except (ToolRequestError, ConstraintError) as error:
+        raise ApiError(400, str(error), param=error.param) from error
+
+
+def text_constraint(body: p._SamplingFields) -> Optional[StructuredSpec]:
+    """The constraint on a reply without tools (response_format, guided_*); 400 naming the field."""
+    try:
+        return reply_constraint(body)
+    except ConstraintError as error:
+        raise ApiError(400, str(error), param=error.param) from error
+
+
+def constraint_field(body: p._SamplingFields) -> str:
+    """The field the request's constraint comes from (response_format when none is set)."""
+    for name in CONSTRAINT_FIELDS:
+        if getattr(body, name) is not None:
+            return name
+    return "response_format"
