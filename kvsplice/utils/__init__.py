@@ -1,0 +1,1 @@
+"""Helpers below every other package: they import nothing of kvsplice."""
