@@ -1,1 +1,1 @@
-"""Helpers below every other package: they import nothing of kvsplice."""
+"""The bottom layer: modules every other one may import, which import nothing of kvsplice."""
