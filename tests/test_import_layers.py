@@ -127,8 +127,9 @@ def import_edges(modules: dict[str, Path]) -> tuple[list[Edge], list[str]]:
     return edges, missing
 
 
-def cycles(edges: list[Edge]) -> list[list[Edge]]:
-    """One circle of imports (as its edges) per strongly connected group of modules (Tarjan)."""
+def cycles(edges: list[Edge]) -> list[tuple[list[str], list[Edge]]]:
+    """Each strongly connected group of modules (Tarjan), sorted, with one circle of imports (as
+    its edges) inside it."""
     graph: dict[str, list[Edge]] = {}
     for edge in edges:
         graph.setdefault(edge.source, []).append(edge)
@@ -163,7 +164,7 @@ def cycles(edges: list[Edge]) -> list[list[Edge]]:
     for node in sorted(graph):
         if node not in index:
             visit(node)
-    return [_circle_in(group, graph) for group in groups]
+    return [(sorted(group), _circle_in(group, graph)) for group in groups]
 
 
 def _circle_in(group: set[str], graph: dict[str, list[Edge]]) -> list[Edge]:
@@ -212,14 +213,16 @@ def test_no_import_cycle():
     edges, _ = import_edges(module_files())
     found = cycles(edges)
     described = [" -> ".join([circle[0].source] + [f"{e.target} ({e.where()})" for e in circle])
-                 for circle in found]
+                 + (f"; these reach each other by imports: {', '.join(group)}" if len(group) > len(circle) else "")
+                 for group, circle in found]
     assert not described, "import cycles:\n" + "\n".join(described)
 
 
 def test_the_cycle_finder_finds_a_circle_and_only_one():
     edges = [Edge("a", "b", "a.py", 1), Edge("b", "c", "b.py", 1), Edge("c", "a", "c.py", 1),
              Edge("c", "d", "c.py", 2), Edge("d", "e", "d.py", 1)]
-    (circle,) = cycles(edges)
+    ((group, circle),) = cycles(edges)
+    assert group == ["a", "b", "c"]
     assert [e.source for e in circle] == ["a", "b", "c"] and circle[-1].target == "a"
     assert cycles(edges[:2] + edges[3:]) == []
 
