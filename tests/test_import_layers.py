@@ -81,11 +81,16 @@ def _imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: 
 
 
 def _bound_names(path: Path) -> set[str] | None:
-    """The names a module binds at its top level; None when it has a module `__getattr__` (any
-    name may come from it)."""
+    """The names a module binds at its top level (under `if` and `try` too); None when it has a
+    module `__getattr__` (any name may come from it)."""
     names = set()
-    for node in ast.parse(path.read_text(), str(path)).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    statements = list(ast.parse(path.read_text(), str(path)).body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            statements.extend(node.body + node.orelse + getattr(node, "finalbody", [])
+                              + [s for handler in getattr(node, "handlers", []) for s in handler.body])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
