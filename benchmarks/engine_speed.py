@@ -19,8 +19,8 @@ import time
 import torch
 
 from kvsplice.config import EngineConfig
-from kvsplice.engine.forward_batch import ForwardBatch
 from kvsplice.engine.llm import LLM, build_engine
+from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.models.default_model import resolve_model
 from kvsplice.reuse.accounting import FlopsModel
 from kvsplice.sampling_params import SamplingParams

@@ -43,7 +43,7 @@ class EngineConfig:
         (`kvsplice.engine.step_budget`).
     min_prefill_tokens: prefill tokens every step carries at least (when there are any, and at
         most max_batch_tokens), so prefill always progresses.
-    decode_threads: intra-op threads of steps with decode rows (`kvsplice.engine.thread_policy`);
+    decode_threads: intra-op threads of steps with decode rows (`kvsplice.utils.thread_policy`);
         None: the same as every other step (torch's thread count), what `kvsplice serve`'s
         auto gives.
     prefill_lane_threads: while requests decode, other requests' prefill runs on a thread of its

@@ -8,9 +8,9 @@ from typing import Optional, Union
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvsplice.models.llama2c import BOS_ID as LLAMA2C_BOS_ID
-from kvsplice.models.llama2c import EOS_ID as LLAMA2C_EOS_ID
-from kvsplice.models.llama2c import Llama2cBPE
+from kvsplice.tokenizer_llama2c import BOS_ID as LLAMA2C_BOS_ID
+from kvsplice.tokenizer_llama2c import EOS_ID as LLAMA2C_EOS_ID
+from kvsplice.tokenizer_llama2c import Llama2cBPE
 
 Backend = Union[PreTrainedTokenizerBase, Llama2cBPE]
 

@@ -8,8 +8,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from kvsplice.models.llama2c import find_llama2c_tokenizer, read_llama2c_tokenizer
 from kvsplice.tokenizer import Tokenizer
+from kvsplice.tokenizer_llama2c import find_llama2c_tokenizer, read_llama2c_tokenizer
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 needs_stories = pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason="stories260K not present")

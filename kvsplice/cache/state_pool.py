@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvsplice.cache.kv_pool import SlotAllocator
-from kvsplice.models.config import LinearAttnConfig
+from kvsplice.layer_configs import LinearAttnConfig
 
 
 class StatePool:

@@ -26,7 +26,7 @@ sessions) stays on the engine thread.
 
 Threads. torch's intra-op thread count belongs to the calling OS thread (OpenMP's nthreads ICV):
 the lane thread sets L once; the engine thread's steps take N - L while a job runs and N
-otherwise (kvsplice.engine.thread_policy). L = 1 keeps libgomp's count of threads at the cores (a
+otherwise (kvsplice.utils.thread_policy). L = 1 keeps libgomp's count of threads at the cores (a
 thread whose regions run on one thread starts no team), so the engine thread's workers keep
 spinning (see kvsplice.engine.compute_thread).
 """

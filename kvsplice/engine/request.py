@@ -22,9 +22,11 @@ from typing import NamedTuple
 
 import torch
 
+from kvsplice.cache.radix import TreeNode
 from kvsplice.layers.logits_processors import LogitsState
 from kvsplice.layers.sampler import TokenLogprob
 from kvsplice.reuse.accounting import ReuseStats
+from kvsplice.reuse.scr_request import ScrRequest
 from kvsplice.sampling_params import SamplingParams
 
 
@@ -104,13 +106,13 @@ class Req:
     pending: list[int] = field(default_factory=list)  # offsets still to compute, increasing
     scoring: object | None = None                  # SCR selective recompute: a scoring pass to run first
     prefix_len: int = 0
-    prefix_node: object | None = None              # radix node locked by this request
+    prefix_node: TreeNode | None = None            # radix node locked by this request
     owned_from: int = 0                            # seq_slots[owned_from:num_slotted] are its own
     num_slotted: int = 0                           # offsets [0, num_slotted) have a slot
     generator: torch.Generator | None = None
     logits_state: LogitsState | None = None        # penalties, bias, min_tokens, grammar (if any)
     reuse: ReuseStats = field(default_factory=lambda: ReuseStats(0, 0, 0, 0, "off"))
-    scr: object | None = None                      # per-request SCR state (kvsplice.reuse), if any
+    scr: ScrRequest | None = None                  # per-request SCR state, if any
     prompt_logprobs: list[TokenLogprob | None] | None = None
     keep_last_logits: int = 0                      # keep raw logits of the last N prompt offsets
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -64,13 +64,14 @@ from kvsplice.layers.attention import store_kv
 from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
-from kvsplice.reuse.diff import EqualRun, diff_tokens
+from kvsplice.reuse.diff import diff_tokens
 from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before,
                                  removed_spans)
 from kvsplice.reuse.message_starts import MessageStarts
-from kvsplice.reuse.recompute import (POLICIES, ScoringPass, fixed_recompute, kv_deviation, recompute_count,
+from kvsplice.reuse.recompute import (POLICIES, fixed_recompute, kv_deviation, recompute_count,
                                       scoring_pass)
 from kvsplice.reuse.relocate import relocate
+from kvsplice.reuse.scr_request import ScrRequest
 from kvsplice.reuse.session import Session, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -92,29 +93,6 @@ class SessionKV:
 
     def slots(self) -> torch.Tensor:
         return torch.cat([self.exact_slots, self.private_slots])
-
-
-@dataclass
-class ScrRequest:
-    """Per-request SCR state: its settings, its session once attached, the plan it runs.
-    `miss`: why no existing session matched (the fallback reason of a new session); `runs` /
-    `runs_of`: the diff the match verified with, and the session sequence it was computed
-    against (reused by the plan while the session still holds that very sequence); `fork`: the
-    finished request's K/V go to a new session and the matched one keeps its own (see
-    _attach_session)."""
-
-    cfg: ReuseConfig
-    session: Session | None = None
-    kind: SessionKind = "new"
-    plan: SpanPlan | None = None
-    fallback: str | None = None
-    diff_stats: dict = field(default_factory=dict)
-    miss: str | None = None
-    runs: tuple[EqualRun, ...] | None = None
-    runs_of: list[int] | None = None
-    fork: bool = False
-    scoring: ScoringPass | None = None   # the selective-recompute scoring pass of this admission
-    count_stats: bool = False            # this admission sets req.reuse
 
 
 class ReuseManager:

@@ -11,20 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
+from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
-from kvsplice.engine.decode_arena import DecodeArena
-from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.engine.request import Req
 from kvsplice.engine.scheduler import Chunk
 from kvsplice.engine.step_budget import StepBudget
-from kvsplice.engine.thread_policy import ThreadPolicy
+from kvsplice.layers.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.layers.logits_processors import accept_tokens, process_logits
 from kvsplice.layers.sampler import TokenLogprob, logprobs_of, sample
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.models.quantize import WeightFormat, apply_weight_format, resolve_weight_format
+from kvsplice.utils.thread_policy import ThreadPolicy
 
 
 @dataclass(frozen=True)

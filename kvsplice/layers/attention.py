@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.forward_batch import ForwardBatch, PaddedContexts
+from kvsplice.layers.forward_batch import ForwardBatch, PaddedContexts
 from kvsplice.layers.shape_bucket import PADDED_DTYPES, bucket
 
 

@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from kvsplice.engine.thread_policy import intra_op_threads
 from kvsplice.layers.compiled_call import INDUCTOR_OPTIONS, GraphRefused, call_compiled
+from kvsplice.utils.thread_policy import intra_op_threads
 
 _log = logging.getLogger(__name__)
 BLOCK = 32          # inputs per scale, as GGUF's Q8_0

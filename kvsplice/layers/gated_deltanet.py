@@ -34,9 +34,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvsplice.cache.state_pool import StatePool
-from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq
+from kvsplice.layer_configs import LinearAttnConfig
+from kvsplice.layers.forward_batch import ForwardBatch, LinearSeq
 from kvsplice.layers.quant_linear import BucketedLinear
-from kvsplice.models.config import LinearAttnConfig
 
 ProjLayout = Literal["qwen3_5", "qwen3_next"]
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from kvsplice.models.config import RopeConfig
+from kvsplice.layer_configs import RopeConfig
 
 
 def _base_inv_freq(rope: RopeConfig) -> torch.Tensor:

@@ -44,9 +44,9 @@ from typing import Callable
 
 import torch
 
-from kvsplice.engine.thread_policy import intra_op_threads
 from kvsplice.layers.attention import length_mask
 from kvsplice.layers.compiled_call import INDUCTOR_OPTIONS, GraphRefused, call_compiled
+from kvsplice.utils.thread_policy import intra_op_threads
 
 _log = logging.getLogger(__name__)
 DecodeFn = Callable[..., torch.Tensor]   # FastDecoder.arena_decode_hidden's signature

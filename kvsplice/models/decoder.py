@@ -33,9 +33,9 @@ from torch import nn
 
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
-from kvsplice.engine.forward_batch import ForwardBatch
 from kvsplice.layers.attention import paged_attention, store_kv
 from kvsplice.layers.block_int8_head import Int8Blocks
+from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.gated_deltanet import GatedDeltaNet
 from kvsplice.layers.mlp import SwiGLU
 from kvsplice.layers.norm import RMSNorm, ZeroCenteredRMSNorm

@@ -38,18 +38,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.decode_arena import DecodeArena
-from kvsplice.engine.forward_batch import ForwardBatch
-from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
                                       paged_attention_reference, plan_sequences)
 from kvsplice.layers.block_int8_head import BlockInt8Head
+from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
 from kvsplice.layers.quant_linear import PackedLinear
 from kvsplice.models.compiled_decode import CompiledDecode
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
+from kvsplice.utils.thread_policy import ThreadPolicy
 
 
 @dataclass(frozen=True)

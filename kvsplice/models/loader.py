@@ -27,9 +27,10 @@ from kvsplice.layers.block_int8_head import Int8Blocks, int8_blocks
 from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, default_model_dir, find_default_gguf
 from kvsplice.models.default_model import pull_default_model
 from kvsplice.models.gguf_convert import ensure_converted
-from kvsplice.models.llama2c import find_llama2c_tokenizer, load_llama2c, read_llama2c_tokenizer
+from kvsplice.models.llama2c import load_llama2c
 from kvsplice.models.manifest import MANIFEST_FILE, read_manifest
 from kvsplice.tokenizer import Tokenizer
+from kvsplice.tokenizer_llama2c import find_llama2c_tokenizer, read_llama2c_tokenizer
 
 DTYPE_NAMES = {
     "float32": torch.float32,

@@ -11,7 +11,8 @@ import torch
 from kvsplice.cache.checkpoint_policy import (MAX_MESSAGE_OFFSETS, CheckpointCandidate, CheckpointPolicy,
                                               check_message_offsets, least_useful, sequence_candidates)
 from kvsplice.cache.state_pool import StatePool, state_slot_bytes
-from kvsplice.models.config import LinearAttnConfig, ModelConfig
+from kvsplice.layer_configs import LinearAttnConfig
+from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.config import ReuseConfig
 
 

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvsplice.cache.kv_pool import SlotAllocator
 from kvsplice.cache.radix import RadixCache
 from kvsplice.cache.state_pool import StatePool
-from kvsplice.models.config import LinearAttnConfig
+from kvsplice.layer_configs import LinearAttnConfig
 
 LIN = LinearAttnConfig("qwen3_5", conv_kernel=2, num_k_heads=1, num_v_heads=1, k_head_dim=2, v_head_dim=2)
 TOKEN_IDS = st.lists(st.integers(0, 2), min_size=1, max_size=8)

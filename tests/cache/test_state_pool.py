@@ -9,7 +9,7 @@ import torch
 from kvsplice.cache.kv_pool import SlotAllocator
 from kvsplice.cache.radix import RadixCache
 from kvsplice.cache.state_pool import StatePool
-from kvsplice.models.config import LinearAttnConfig
+from kvsplice.layer_configs import LinearAttnConfig
 
 LIN = LinearAttnConfig("qwen3_5", conv_kernel=4, num_k_heads=2, num_v_heads=4, k_head_dim=8, v_head_dim=6)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.decode_arena import DecodeArena
 from kvsplice.engine.request import Req
 from kvsplice.sampling_params import SamplingParams
 

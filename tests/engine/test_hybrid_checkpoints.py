@@ -14,8 +14,8 @@ import torch
 from engine.test_hybrid_engine import assert_same, engine_for, model_dir, run  # noqa: F401 (fixture)
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
-from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.engine.llm import LLM
+from kvsplice.layers.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.message_offsets import message_offsets
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams

@@ -15,8 +15,8 @@ from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.llm import build_engine
 from kvsplice.engine.prefill_lane import PrefillLane
 from kvsplice.engine.scheduler import Scheduler
-from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.utils.thread_policy import ThreadPolicy
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)
 

@@ -7,8 +7,8 @@ import torch
 
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import build_engine
-from kvsplice.engine.thread_policy import ThreadPolicy
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.utils.thread_policy import ThreadPolicy
 from tests.tiny_model import make_tiny_model_dir
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.forward_batch import ForwardBatch, SeqSlice
 from kvsplice.layers.attention import paged_attention, position_mask, store_kv
+from kvsplice.layers.forward_batch import ForwardBatch, SeqSlice
 
 HQ, HKV, D = 4, 2, 8
 

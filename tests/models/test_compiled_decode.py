@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.config import EngineConfig
-from kvsplice.engine.decode_arena import DecodeArena
 from kvsplice.engine.llm import LLM, build_engine
-from kvsplice.engine.thread_policy import intra_op_threads
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.server.metrics import take_snapshot
+from kvsplice.utils.thread_policy import intra_op_threads
 
 from tests.models.test_fast_decode import _decode_batches, _model, _prefill, _req
 

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.forward_batch import ForwardBatch, SeqSlice
+from kvsplice.layers.forward_batch import ForwardBatch, SeqSlice
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 

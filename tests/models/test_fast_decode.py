@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.decode_arena import DecodeArena
-from kvsplice.engine.forward_batch import ForwardBatch, SeqSlice
 from kvsplice.engine.request import Req
+from kvsplice.layers.forward_batch import ForwardBatch, SeqSlice
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.fast_decode import FastDecoder

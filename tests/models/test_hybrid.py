@@ -8,7 +8,7 @@ import torch
 
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
-from kvsplice.engine.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
+from kvsplice.layers.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 

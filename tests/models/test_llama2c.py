@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvsplice.models.llama2c import Llama2cBPE, find_llama2c_tokenizer, load_llama2c, read_llama2c_tokenizer
+from kvsplice.models.llama2c import load_llama2c
+from kvsplice.tokenizer_llama2c import Llama2cBPE, find_llama2c_tokenizer, read_llama2c_tokenizer
 
 STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
 needs_stories = pytest.mark.skipif(not (STORIES / "stories260K.bin").is_file(), reason=f"{STORIES} is absent")

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, find_default_gguf, pull_default_model, resolve_model
-from kvsplice.models.llama2c import Llama2cBPE
 from kvsplice.models.loader import load_checkpoint, resolve_dtype
+from kvsplice.tokenizer_llama2c import Llama2cBPE
 
 STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
 needs_stories = pytest.mark.skipif(not (STORIES / "hf").is_dir(), reason=f"{STORIES} is absent")

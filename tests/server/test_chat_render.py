@@ -100,7 +100,7 @@ def test_a_template_that_rejects_tool_messages_gets_them_as_user_turns(tokenizer
 
 
 def test_no_template_is_a_clear_error():
-    from kvsplice.models.llama2c import Llama2cBPE
+    from kvsplice.tokenizer_llama2c import Llama2cBPE
 
     pieces = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{b:02X}>".encode() for b in range(256)]
     renderer = ChatRenderer(Tokenizer(Llama2cBPE(pieces, [0.0] * len(pieces))))

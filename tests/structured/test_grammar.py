@@ -161,7 +161,7 @@ def test_batched_bitmask_matches_reference_and_per_row_fill(cache):
 
 
 def test_llama2c_tokenizers_are_refused_with_a_reason():
-    from kvsplice.models.llama2c import Llama2cBPE
+    from kvsplice.tokenizer_llama2c import Llama2cBPE
 
     pieces = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{b:02X}>".encode() for b in range(256)] + [b"a"]
     tok = Tokenizer(Llama2cBPE(pieces, [0.0] * len(pieces)))

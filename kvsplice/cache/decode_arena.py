@@ -21,12 +21,24 @@ gathering path.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.engine.request import Req
 
 _CAPACITY_STEP = 256
+
+
+class DecodingRequest(Protocol):
+    """What the arena reads of a request (the engine's Req): the length of its sequence, and the
+    KV slot of each of its offsets (set once the request is admitted)."""
+
+    @property
+    def seq_len(self) -> int: ...
+
+    @property
+    def seq_slots(self) -> torch.Tensor | None: ...
 
 
 def by_position(layer_kv: torch.Tensor) -> torch.Tensor:
@@ -54,7 +66,7 @@ class DecodeArena:
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device, self.max_tokens = dtype, device, max_tokens
         self.min_rows = min_rows
-        self.reqs: list[Req] = []
+        self.reqs: list[DecodingRequest] = []
         self.lengths: list[int] = []
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -97,7 +109,7 @@ class DecodeArena:
         self._allocate(0, 0)
 
     # ----- rows -------------------------------------------------------------------------
-    def assign(self, reqs: list[Req], pool: KVPool) -> list[Req]:
+    def assign(self, reqs: list[DecodingRequest], pool: KVPool) -> list[DecodingRequest]:
         """Prepare one decode step for `reqs` (each computes its position seq_len - 1).
 
         Drops the rows of requests not in `reqs` (or out of step), fills new rows from `pool`
@@ -156,7 +168,7 @@ class DecodeArena:
         if (new_rows, new_cap) != (self.rows, self.capacity):
             self._allocate(new_rows, new_cap)
 
-    def _add(self, req: Req, pool: KVPool) -> bool:
+    def _add(self, req: DecodingRequest, pool: KVPool) -> bool:
         """Give `req` the next row, filled with the K/V of its positions [0, seq_len - 1)."""
         rows, capacity = len(self.reqs) + 1, max([req.seq_len] + [r.seq_len for r in self.reqs])
         if not self._fits(rows, _round_up(capacity, _CAPACITY_STEP)):
