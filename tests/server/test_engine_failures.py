@@ -199,6 +199,7 @@ def test_a_dead_engine_fails_health_and_calls_the_hook(tiny_model_dir):
         served.thread.stop()
 
 
+@pytest.mark.slow  # starts `kvsplice serve` in a subprocess
 def test_serve_exits_non_zero_when_the_engine_thread_dies(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "KVSPLICE_FAILPOINTS": "step"}   # every step fails: the step loop gives up
