@@ -10,12 +10,13 @@ import os
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
-# deadline=None: on a shared 2-core machine one example can take seconds; pytest-timeout guards
-# against hangs instead
-settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
-settings.register_profile("dev", deadline=None, print_blob=True)
+# no deadline and no too_slow health check: on a shared 2-core machine one example can take
+# seconds; pytest-timeout guards against hangs instead
+BUSY_MACHINE = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **BUSY_MACHINE)
+settings.register_profile("dev", print_blob=True, **BUSY_MACHINE)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
