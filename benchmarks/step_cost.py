@@ -48,7 +48,8 @@ def main() -> None:
     engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, weight_format=args.weight_format,
                                        prefix_cache=False, num_slots=32_768))
     gen = torch.Generator().manual_seed(0)
-    prompt = lambda n: torch.randint(1000, 40000, (n,), generator=gen).tolist()
+    def prompt(n):
+        return torch.randint(1000, 40000, (n,), generator=gen).tolist()
     for _ in range(args.decoders):
         engine.add_request(prompt(args.context), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:

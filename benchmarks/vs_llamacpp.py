@@ -221,7 +221,8 @@ class Workload:
 
         gen = torch.Generator().manual_seed(seed)
         self.random = lambda n: torch.randint(1000, vocab - 1000, (n,), generator=gen).tolist()
-        chat = lambda messages: tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        def chat(messages):
+            return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
         self.edits = [(case.name, chat(case.turn1), chat(fill_reply(case.turn2, "I will read the next file now.")))
                       for case in builtin_cases()]
         traces = generate_traces(plan.conversations, seed, min_tokens=1500, max_tokens=3500,

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from engine.test_hybrid_engine import assert_same, engine_for, model_dir, run  # noqa: F401 (fixture)
+from engine import test_hybrid_engine
+from engine.test_hybrid_engine import assert_same, engine_for, run
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.engine.llm import LLM
@@ -24,6 +25,7 @@ WORDS = ("robot reads documentation fox jumps over lazy dog agents edit their ow
          "results rewrite notes place function returns none when nothing found").split()
 NO_SCR = ReuseConfig(enabled=False, checkpoint_policy="messages")
 SCR = ReuseConfig(match_min_tokens=16, min_span=8, tail=2, max_spans=6, checkpoint_policy="messages")
+model_dir = test_hybrid_engine.model_dir  # the tiny hybrid's module-scoped fixture
 
 
 def text(rng: random.Random, n_words: int) -> str:

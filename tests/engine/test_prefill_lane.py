@@ -102,6 +102,7 @@ def _hold_a_lane_job(engine, failpoints, release):
     assert reached.wait(10) and engine.lane.busy and engine.scheduler.held == {"long"}
 
 
+@pytest.mark.slow  # a 400-token decode beside a held lane job
 def test_decodes_go_on_while_a_lane_job_runs_and_a_held_request_is_never_scheduled(model_dir, two_threads):
     failpoints, release = Failpoints(), threading.Event()
     engine = _engine(model_dir, failpoints, prefill_lane_threads=1)
@@ -117,6 +118,7 @@ def test_decodes_go_on_while_a_lane_job_runs_and_a_held_request_is_never_schedul
     assert engine.slots_in_use() == 0
 
 
+@pytest.mark.slow  # a 400-token decode beside a held lane job
 def test_an_abort_of_a_held_request_waits_for_its_job_then_frees_it(model_dir, two_threads):
     failpoints, release = Failpoints(), threading.Event()
     engine = _engine(model_dir, failpoints, prefill_lane_threads=1)

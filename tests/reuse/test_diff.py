@@ -1,7 +1,6 @@
 """diff_tokens: verified equal runs, token-level and fast (CDC) paths, fallback on bad runs."""
 
 import random
-import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,7 +139,8 @@ def test_forced_verification_failure_falls_back_to_token_diff():
     old = _document(rng, 3000)
     new = old[:500] + old[600:] + _document(rng, 100)
     stats = DiffStats()
-    lying = lambda old_mid, new_mid, target: [EqualRun(0, 0, 1100)]  # claims the deleted part survived
+    def lying(old_mid, new_mid, target):
+        return [EqualRun(0, 0, 1100)]  # claims the deleted part survived
     runs = diff_tokens(old, new, stats=stats, fast_runs=lying)
     assert (stats.fallbacks, stats.fast, stats.last_path) == (1, 0, "fallback")
     assert runs == [EqualRun(0, 0, 500), EqualRun(600, 500, 2400)]
@@ -173,13 +173,13 @@ def test_any_fast_path_exception_falls_back_never_escapes(caplog):
     assert stats.fallbacks == 6
 
 
-def test_128k_tokens_with_a_few_edits_is_fast():
+def test_128k_tokens_with_a_few_edits_take_the_fast_path():
+    # the chunk path answers and verifies (no token-level diff of the 128K middle); its time is
+    # measured by benchmarks/scr_plan_speed.py
     rng = random.Random(2)
     old = _document(rng, 131_072)
     new = old[:30_000] + _document(rng, 40) + old[32_048:90_000] + old[90_500:] + _document(rng, 200)
     stats = DiffStats()
-    start = time.perf_counter()
     runs = diff_tokens(old, new, stats=stats)
-    elapsed = time.perf_counter() - start
-    assert stats.last_path == "fast" and elapsed < 1.0
+    assert (stats.last_path, stats.fast, stats.token, stats.fallbacks) == ("fast", 1, 0, 0)
     assert [(run.old_offset, run.new_offset) for run in runs] == [(0, 0), (32_048, 30_040), (90_500, 87_992)]

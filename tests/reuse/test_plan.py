@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.reuse.config import ReuseConfig
-from kvsplice.reuse.diff import EqualRun, diff_tokens
+from kvsplice.reuse.diff import diff_tokens
 from kvsplice.reuse.diff import common_prefix_len
 from kvsplice.reuse.plan import Keep, PlanError, SpanPlan, make_plan, prefill_breakdown
 
@@ -47,7 +47,7 @@ def test_edit_at_token_zero_still_plans():
 
 def test_k_longest_executed_in_new_order_ties_to_the_later():
     runs_lengths = [100, 200, 100, 150]
-    old, new, offset = [], [], 0
+    old, new = [], []
     for number, length in enumerate(runs_lengths):
         old += seq(10_000 * (number + 1), length) + [7] * 10  # deleted separator
         new += seq(10_000 * (number + 1), length) + [8] * 5  # new separator

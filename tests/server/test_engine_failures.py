@@ -199,6 +199,7 @@ def test_a_dead_engine_fails_health_and_calls_the_hook(tiny_model_dir):
         served.thread.stop()
 
 
+@pytest.mark.slow  # starts `kvsplice serve` in a subprocess
 def test_serve_exits_non_zero_when_the_engine_thread_dies(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "KVSPLICE_FAILPOINTS": "step"}   # every step fails: the step loop gives up
@@ -218,9 +219,8 @@ def test_serve_exits_non_zero_when_the_engine_thread_dies(tiny_model_dir):
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
         response = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=30)
         assert response.status_code == 503
-        started = time.monotonic()
-        code = proc.wait(timeout=30)
-        assert code == ENGINE_FAILED_EXIT != 0 and time.monotonic() - started < 20
+        code = proc.wait(timeout=60)  # only guards against a hang
+        assert code == ENGINE_FAILED_EXIT != 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -89,6 +89,7 @@ def _fuzz(server, operation, mode) -> None:
     run()
 
 
+@pytest.mark.slow  # schemathesis calls every route with generated bodies
 def test_every_route_against_its_openapi_document(fuzz_server):
     operations = _operations(fuzz_server)
     labels = {operation.label for operation in operations}
