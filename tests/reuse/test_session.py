@@ -262,16 +262,11 @@ def apply_edits(blocks, edits, rng):
 # With 1,000 decoys these prompts nominate one decoy as well as their own session: the chunk that
 # straddles the end of the tool list (its last ~13 tokens and the first message's first token) is
 # held by the own session and by one decoy whose first message opens with the same token as the
-# prompt's, so it is not common content. That decoy holds 14 tokens of the prompt, is never diffed (verified == 1) and
-# the own session is matched; only `candidates <= 1` fails.
-CHANCE_NOMINATION = "a chunk across the preamble's end, shared by chance with one decoy, nominates it"
-
-
+# prompt's, so it is not common content. That decoy holds 14 tokens of the prompt, too few to be
+# diffed: the cost bound is on verification (one diff, the own session's), not on nomination.
 @pytest.mark.slow  # a new store of 1,000 conversations for most examples: about 20 s of CPU
-@example(decoys=1000, seed=421511, messages=4, size=546, edits=[]).xfail(
-    raises=AssertionError, reason=CHANCE_NOMINATION)
-@example(decoys=1000, seed=642016, messages=6, size=94, edits=["head", "delete"]).xfail(
-    raises=AssertionError, reason=CHANCE_NOMINATION)
+@example(decoys=1000, seed=421511, messages=4, size=546, edits=[])
+@example(decoys=1000, seed=642016, messages=6, size=94, edits=["head", "delete"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(decoys=st.sampled_from(DECOY_COUNTS), seed=st.integers(0, 10**6), messages=st.integers(2, 10),
        size=st.integers(40, 600),
@@ -284,6 +279,6 @@ def test_a_request_matches_its_own_session_or_none_never_another(decoy_store, de
     edited = store.match(flat(apply_edits(blocks, edits, rng)), NS)
     assert edited.session in (own, None)
     if decoys == 1000:
-        assert edited.candidates <= 1  # the common preamble nominates nobody
+        assert edited.verified <= 1  # decoys are never diffed: the common preamble costs no verification
     stranger = store.match(flat(apply_edits([SYSTEM, TOOLS, doc(rng.random(), size)], edits, rng)), NS)
     assert stranger.session is None
