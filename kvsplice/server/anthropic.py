@@ -344,7 +344,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": AnthropicError, "description": ERROR_STATUSES[status]} for status in statuses}
 
 
-def install(app: FastAPI, state: ServerState) -> tuple[type, ...]:
+def install_anthropic_routes(app: FastAPI, state: ServerState) -> tuple[type, ...]:
     """Add the Messages routes and their error middleware to `app` (an app of api.create_app serving
     `state`, whose other middleware is already installed); returns the body models for the OpenAPI
     document."""

@@ -816,8 +816,9 @@ def create_app(engine, settings: Optional[ServerSettings] = None, log: Optional[
     _install_info_routes(app, state)
     app.include_router(_models_and_tokens_router(state))
     install_router_routes(app)
-    from kvsplice.server import anthropic, responses  # they build on this module: imported once it is loaded
-    agent_bodies = responses.install(app, state) + anthropic.install(app, state)
+    from kvsplice.server.anthropic import install_anthropic_routes  # these build on this module: imported
+    from kvsplice.server.responses import install_responses_routes  # once it is loaded
+    agent_bodies = install_responses_routes(app, state) + install_anthropic_routes(app, state)
     install_openapi(app, (p.ChatCompletionRequest, p.CompletionRequest, p.GenerateRequest, TokenizeRequest,
                           DetokenizeRequest, *agent_bodies))
     return app

@@ -384,7 +384,7 @@ def _not_found(response_id: str, param: str) -> ApiError:
                     error_type="invalid_request_error")
 
 
-def install(app: FastAPI, state: ServerState, store: Optional[ResponseStore] = None) -> tuple[type, ...]:
+def install_responses_routes(app: FastAPI, state: ServerState, store: Optional[ResponseStore] = None) -> tuple[type, ...]:
     """Add the Responses routes to `app` (an app of api.create_app, serving `state`); returns the body
     models for the OpenAPI document."""
     api = ResponsesApi(state, store or ResponseStore())

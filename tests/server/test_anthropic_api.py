@@ -223,3 +223,36 @@ def test_every_messages_field_is_listed_and_declared():
     declared = {info.alias or name for name, info in MessagesRequest.model_fields.items()}
     assert set(fields) == declared, set(fields) ^ declared
     assert re.search(r"`cache_control` \| ignored", DOC.read_text())
+
+
+TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {}}}
+ACCEPTED = {
+    "model": {}, "max_tokens": {}, "messages": {}, "system": {"system": "Be brief."}, "tools": {"tools": [TOOL]},
+    "tool_choice": {"tools": [TOOL], "tool_choice": {"type": "auto"}}, "stop_sequences": {"stop_sequences": ["zz"]},
+    "stream": {"stream": True}, "temperature": {"temperature": 0.5}, "top_p": {"top_p": 0.9}, "top_k": {"top_k": 5},
+    "output_config": {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+    "metadata": {"metadata": {"user_id": "u"}}, "cache_control": {"cache_control": {"type": "ephemeral"}},
+    "cache_salt": {"cache_salt": "salt"}, "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
+}
+REFUSED = {"container": "c", "diagnostics": {"previous_message_id": "m"}, "inference_geo": "us",
+           "user_profile_id": "u", "workspace_id": "w"}
+DEFAULT_ONLY = {"service_tier": ("auto", "priority"), "speed": ("standard", "fast"),
+                "thinking": ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024})}
+
+
+def test_each_messages_field_behaves_as_its_status_says(ant_server):
+    from tests.server.test_responses_api import documented_fields
+
+    base = {"model": model(ant_server), "max_tokens": 2, "messages": [QUESTION]}
+    for field, status in documented_fields("## /v1/messages (Anthropic Messages API)").items():
+        if status in ("supported", "ignored"):
+            reply = post(ant_server, {**base, **ACCEPTED[field]})
+            assert reply.status_code == 200, (field, reply.text)
+        elif status == "refused":
+            reply = post(ant_server, {**base, field: REFUSED[field]})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)
+        else:
+            default, other = DEFAULT_ONLY[field]
+            assert post(ant_server, {**base, field: default}).status_code == 200, field
+            reply = post(ant_server, {**base, field: other})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)

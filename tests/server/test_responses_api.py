@@ -221,6 +221,17 @@ def test_the_store_evicts_a_tenants_oldest_first():
     store.put("t2", StoredResponse("x", "x", (), {}))
     assert store.get("t1", "a") is None and store.get("t1", "b") and store.get("t1", "c")
     assert store.get("t2", "x") and store.get("t1", "x") is None and store.count("t1") == 2
+    assert store.delete("t1", "b") and not store.delete("t1", "b") and store.count("t1") == 1
+
+
+def test_the_store_bounds_each_tenants_characters_and_keeps_the_newest():
+    store = ResponseStore(max_chars_per_tenant=10)
+    turn = ({"role": "user", "content": "12345"},)
+    store.put("t", StoredResponse("a", "a", turn, {}))
+    store.put("t", StoredResponse("b", "a", turn * 2, {}))
+    assert store.get("t", "a") is None and store.get("t", "b")
+    store.put("t", StoredResponse("c", "a", turn * 5, {}))   # alone over the bound: still kept
+    assert store.count("t") == 1 and store.get("t", "c")
 
 
 @pytest.mark.parametrize("body, param", [
@@ -280,3 +291,47 @@ def test_every_responses_field_is_listed_and_declared():
     assert not sdk - set(fields), sorted(sdk - set(fields))
     declared = {info.alias or name for name, info in ResponseRequest.model_fields.items()}
     assert set(fields) == declared, set(fields) ^ declared
+
+
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+# A value for each documented field (with the fields it needs), as in test_compatibility.py.
+ACCEPTED = {
+    "input": {}, "model": {"model": None}, "instructions": {"instructions": "Be brief."},
+    "max_output_tokens": {"max_output_tokens": 2}, "max_tool_calls": {"tools": [FUNCTION], "max_tool_calls": 1},
+    "temperature": {"temperature": 0.5}, "top_p": {"top_p": 0.9}, "tools": {"tools": [FUNCTION]},
+    "tool_choice": {"tools": [FUNCTION], "tool_choice": "required"},
+    "parallel_tool_calls": {"tools": [FUNCTION], "parallel_tool_calls": False},
+    "text": {"text": {"format": {"type": "json_object"}}}, "store": {"store": False},
+    "previous_response_id": {"previous_response_id": None}, "stream": {"stream": True},
+    "stream_options": {"stream": True, "stream_options": {"include_obfuscation": False}},
+    "include": {"include": ["reasoning.encrypted_content"]}, "metadata": {"metadata": {"k": "v"}},
+    "user": {"user": "u"}, "safety_identifier": {"safety_identifier": "s"},
+    "prompt_cache_key": {"prompt_cache_key": "k"}, "prompt_cache_retention": {"prompt_cache_retention": "24h"},
+    "prompt_cache_options": {"prompt_cache_options": {}}, "cache_salt": {"cache_salt": "salt"},
+    "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
+}
+REFUSED = {"reasoning": {"effort": "high"}, "top_logprobs": 2, "conversation": "conv_1", "prompt": {"id": "p"},
+           "background_options": {}, "context_management": [{}], "access_programs": {}, "image": {},
+           "moderation": {}}
+DEFAULT_ONLY = {"background": (False, True), "service_tier": ("auto", "flex"), "truncation": ("disabled", "auto")}
+
+
+def test_each_responses_field_behaves_as_its_status_says(resp_server):
+    base = {"input": "hi", "max_output_tokens": 2}
+    stored = post(resp_server, base).json()["id"]
+    for field, status in documented_fields("## /v1/responses (OpenAI Responses API)").items():
+        if status in ("supported", "ignored"):
+            body = {**base, **ACCEPTED[field]}
+            body["model"] = body.get("model", "") or resp_server.state.model_name
+            if field == "previous_response_id":
+                body["previous_response_id"] = stored
+            reply = post(resp_server, body)
+            assert reply.status_code == 200, (field, reply.text)
+        elif status == "refused":
+            reply = post(resp_server, {**base, field: REFUSED[field]})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)
+        else:
+            default, other = DEFAULT_ONLY[field]
+            assert post(resp_server, {**base, field: default}).status_code == 200, field
+            reply = post(resp_server, {**base, field: other})
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)
