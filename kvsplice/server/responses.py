@@ -8,8 +8,10 @@ Reuse work exactly as on /v1/chat/completions.
         ─> the Response object, or its event stream; stored (store: true, the default) for chaining
 
 A chain of responses (each naming the one before in `previous_response_id`) is one SCR session, named
-after the chain's first response: every turn attaches to the conversation's K/V by that name, without
-content matching. A body's own `session_id` (or the X-SMG-Routing-Key header) wins.
+after the chain's first response: from the third turn on, every turn attaches to the conversation's K/V
+by that name, without content matching (the second finds the first turn's session by content, as the
+first turn, not yet known to start a chain, leaves it unnamed; the second names it). A body's own
+`session_id` wins.
 
 Streamed: response.created, response.in_progress, then per output item response.output_item.added,
 its content (response.content_part.added, response.output_text.delta ..., response.output_text.done,
@@ -308,7 +310,9 @@ class ResponsesApi:
         root_id = previous.root_id if previous else response_id
         history = (previous.history if previous else ()) + tuple(input_messages(body.input))
         keep = body.store is not False
-        session_id = body.session_id or (SESSION_PREFIX + root_id if keep or previous else None)
+        # Only a chained request names the session: a first turn stays anonymous, so that a client
+        # sending its whole conversation again (no previous_response_id) still finds it by content.
+        session_id = body.session_id or (SESSION_PREFIX + root_id if previous else None)
         fields = chat_fields(body, history, session_id)
         chat = await self.state.workers.run(chat_body, self.state, fields, FIELD_NAMES)
         turn = await start_turn(self.state, request, chat, ENDPOINT, response_id, FIELD_NAMES, body.max_tool_calls)

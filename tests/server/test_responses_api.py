@@ -182,11 +182,11 @@ def test_edited_full_input_relocates_what_follows_the_edit(rclient):
               "output": "def main():\n    print('hello world')\n\nThe function returns None. " * 6}
     notes = {"role": "user", "content": "Working notes: Once upon a time there was a little robot who liked to "
                                         "read documentation. Tool results are long; notes are short. " * 3}
+    # stored (the default) but not chained: the client sends its whole, edited conversation again
     first = rclient.responses.create(input=[system, call, result, notes], max_output_tokens=4, temperature=0,
-                                     store=False, extra_body={"cache_salt": "edited"})
+                                     extra_body={"cache_salt": "edited"})
     second = rclient.responses.create(input=[system, notes, {"role": "user", "content": "Continue."}],
-                                      max_output_tokens=4, temperature=0, store=False,
-                                      extra_body={"cache_salt": "edited"})
+                                      max_output_tokens=4, temperature=0, extra_body={"cache_salt": "edited"})
     reuse = check_usage(second.usage)
     assert first.usage.input_tokens > second.usage.input_tokens
     assert reuse["session"] == "matched" and reuse["relocated_tokens"] > 0, reuse
@@ -335,3 +335,40 @@ def test_each_responses_field_behaves_as_its_status_says(resp_server):
             assert post(resp_server, {**base, field: default}).status_code == 200, field
             reply = post(resp_server, {**base, field: other})
             assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)
+
+
+def test_a_failure_mid_stream_ends_both_protocols_streams_with_their_error_event(tiny_model_dir):
+    from kvsplice.config import EngineConfig
+    from kvsplice.engine.failpoints import Failpoints
+    from kvsplice.server.api import ServerSettings
+    from kvsplice.server.launch import ServerThread, build_app
+    from kvsplice.server.request_log import RequestLog
+    from tests.server.conftest import LineSink
+
+    failpoints = Failpoints()
+    app = build_app(EngineConfig(model=str(tiny_model_dir), num_slots=2048), ServerSettings(model_path=str(tiny_model_dir)),
+                    RequestLog(LineSink()), failpoints=failpoints)
+    thread = ServerThread(app)
+    thread.start()
+    try:
+        failpoints.fail("detokenize", after=3)
+        with httpx.stream("POST", f"{thread.url}/v1/responses", timeout=60, json={
+                "input": "weather?", "tools": TOOLS, "tool_choice": "required", "stream": True,
+                "max_output_tokens": 200}) as reply:
+            assert reply.status_code == 200
+            kinds = [line.removeprefix("event: ") for line in reply.iter_lines() if line.startswith("event: ")]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.failed", kinds
+        failpoints.fail("detokenize", after=3)
+        with httpx.stream("POST", f"{thread.url}/v1/messages", timeout=60, json={
+                "model": app.state.kvsplice.model_name, "max_tokens": 200, "stream": True,
+                "messages": [{"role": "user", "content": "weather?"}],
+                "tools": [{"name": "get_weather", "input_schema": WEATHER}], "tool_choice": {"type": "any"}}) as reply:
+            assert reply.status_code == 200
+            lines = list(reply.iter_lines())
+        kinds = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+        assert kinds[0] == "message_start" and kinds[-1] == "error", kinds
+        error = json.loads(lines[-1].removeprefix("data: ") if lines[-1] else lines[-2].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    finally:
+        failpoints.clear()
+        thread.stop()
