@@ -101,6 +101,12 @@ def _user_messages(content) -> list[dict[str, Any]]:
 
 
 def chat_messages(body) -> list[dict[str, Any]]:
+    """The chat messages of the request. A final assistant message (Anthropic's prefill: the reply
+    continues it) is refused: the chat template would open a new assistant turn after it instead."""
+    if body.messages[-1].role == "assistant":
+        raise ApiError(400, f"messages.{len(body.messages) - 1}: a final assistant message (prefilling the "
+                            f"reply) is not supported; end with a user message",
+                       param=f"messages.{len(body.messages) - 1}")
     system = _system_text(body.system)
     out = [{"role": "system", "content": system}] if system else []
     for message in body.messages:

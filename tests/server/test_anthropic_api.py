@@ -179,6 +179,11 @@ def test_bearer_and_x_api_key_are_one_tenant(ant_server):
      "invalid_request_error", "tools"),
     ({"max_tokens": 10 ** 6, "messages": [QUESTION]}, 400, "invalid_request_error", "max_tokens"),
     ({"max_tokens": 4, "messages": [QUESTION], "model": "nope"}, 404, "not_found_error", "model"),
+    ({"max_tokens": 4, "messages": [QUESTION, {"role": "assistant", "content": "The"}]}, 400,
+     "invalid_request_error", "messages.1"),
+    ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}, QUESTION]}, 400, "invalid_request_error",
+     "messages"),
 ])
 def test_bad_input_is_an_anthropic_error_naming_the_field(ant_server, body, status, kind, param):
     reply = post(ant_server, {"model": model(ant_server), **body})
@@ -256,3 +261,36 @@ def test_each_messages_field_behaves_as_its_status_says(ant_server):
             assert post(ant_server, {**base, field: default}).status_code == 200, field
             reply = post(ant_server, {**base, field: other})
             assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)
+
+
+def test_thinking_text_and_tool_use_stream_as_three_blocks():
+    from kvsplice.server.anthropic import MessageEvents
+    from kvsplice.server.chat_turn import CallArguments, CallStart
+
+    blocks = MessageEvents()
+    lines = (blocks.text("hmm", "thinking") + blocks.text("Hi", "text") + blocks.call_start(CallStart(0, "c", "f", "{"))
+             + blocks.call_arguments(CallArguments(0, "}")) + blocks.close())
+    events = [json.loads(line.split("data: ", 1)[1]) for line in lines]
+    starts = [(e["index"], e["content_block"]["type"]) for e in events if e["type"] == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text"), (2, "tool_use")]
+    assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2]
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"] == [
+        "thinking_delta", "text_delta", "input_json_delta", "input_json_delta"]
+
+
+def test_blocks_become_chat_messages_in_order():
+    from kvsplice.server.anthropic import chat_messages
+
+    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "system": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                          {"type": "text", "text": "x"},
+                                          {"type": "tool_use", "id": "u1", "name": "f", "input": {"k": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "u1", "content": "bad", "is_error": True},
+                                     {"type": "text", "text": "go on"}]}]})
+    messages = chat_messages(body)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "user"]
+    assert messages[0]["content"] == "a\n\nb" and messages[2]["reasoning_content"] == "t"
+    assert messages[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"k": 1}'}
+    assert messages[3] == {"role": "tool", "tool_call_id": "u1", "content": "Error: bad"}

@@ -372,3 +372,46 @@ def test_a_failure_mid_stream_ends_both_protocols_streams_with_their_error_event
     finally:
         failpoints.clear()
         thread.stop()
+
+
+def test_reasoning_text_and_a_call_stream_as_three_items_in_order():
+    from types import SimpleNamespace
+
+    from kvsplice.server.chat_turn import CallArguments, CallStart, Finished, Usage
+    from kvsplice.server.responses import ResponseEvents, ResponseHead, _message_of
+
+    events = ResponseEvents(ResponseHead(SimpleNamespace(model_name="m"), ResponseRequest(input="x"), "resp_1"))
+    lines = (events.start() + events.text("let me think", "reasoning") + events.text("Hi", "message")
+             + events.call_start(CallStart(0, "call_1", "f", '{"a"')) + events.call_arguments(CallArguments(0, ": 1}")))
+    sent, body = events.finish(Finished("tool_calls", (), Usage(5, 3, 2, {})))
+    kinds = [line.split("\n", 1)[0].removeprefix("event: ") for line in lines + sent]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                     "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert [item["type"] for item in body["output"]] == ["reasoning", "message", "function_call"]
+    assert body["usage"]["input_tokens_details"]["cached_tokens"] == 2 and body["status"] == "completed"
+    assert _message_of(body["output"]) == {
+        "role": "assistant", "content": "Hi", "reasoning_content": "let me think",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+
+
+def test_input_items_make_one_assistant_turn_per_run():
+    from kvsplice.server.responses import input_messages
+
+    body = ResponseRequest(input=[
+        {"role": "user", "content": "q"}, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]}])
+    messages = input_messages(body.input)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+    turn = messages[1]
+    assert turn["content"] == "a" and turn["reasoning_content"] == "r"
+    assert [c["id"] for c in turn["tool_calls"]] == ["c1", "c2"] and messages[3]["content"] == "two"
