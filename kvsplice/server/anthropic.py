@@ -46,7 +46,7 @@ FIELD_NAMES = {"response_format": "output_config.format", "parallel_tool_calls":
                "stop": "stop_sequences"}
 # Anthropic's error type for each status the server sends
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "invalid_request_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 499: "invalid_request_error",
                503: "overloaded_error"}
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
