@@ -206,13 +206,13 @@ async def start_turn(state: ServerState, request: Request, body: p.ChatCompletio
     """Submit `body` as one chat turn (n = 1; `max_calls`: keep at most that many calls of the reply).
     Raises ApiError (naming the protocol's fields) before anything is sent."""
     try:
-        return await _start_turn(state, request, body, endpoint, bind_request_id(request, rid), max_calls)
+        return await _start_turn(state, request, body, endpoint, bind_request_id(request, rid), names, max_calls)
     except ApiError as error:
         raise renamed(error, names) from error
 
 
 async def _start_turn(state: ServerState, request: Request, body: p.ChatCompletionRequest, endpoint: str,
-                      rid: str, max_calls: Optional[int]) -> Turn:
+                      rid: str, names: FieldNames, max_calls: Optional[int]) -> Turn:
     _check_model(state, body.model)
     tools, constraint, constraint_param = _reply_plan(state, body)
     if max_calls is not None:
@@ -222,7 +222,8 @@ async def _start_turn(state: ServerState, request: Request, body: p.ChatCompleti
         prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools)
     except ChatTemplateError as error:
         raise ApiError(400, str(error), param=error.param) from error
-    max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
+    max_tokens = _max_tokens(state, len(prompt_ids), body.max_tokens, names.get("messages", "messages"),
+                             names.get("max_tokens", "max_tokens"))
     params = _sampling(body, max_tokens, None, None, constraint, tools.keep_special_tokens)
     offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids,
                                       tools.template_tools) if state.wants_message_offsets else None
