@@ -42,6 +42,7 @@ from kvsplice.engine.compute_thread import ComputeThread
 from kvsplice.engine.engine import RequestFailedError
 from kvsplice.server import protocol as p
 from kvsplice.server.auth import AuthMiddleware
+from kvsplice.server.anthropic import install_anthropic_routes
 from kvsplice.server.chat_completions import install_chat_routes
 from kvsplice.server.completions import install_completion_routes
 from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, bad_request, error_body,
@@ -49,6 +50,7 @@ from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, bad_reque
 from kvsplice.server.openapi import (PROBE_ERRORS, READ_ERRORS, TOKEN_ERRORS, error_responses, install_openapi,
                                      json_request_body)
 from kvsplice.server.replica import install_router_routes
+from kvsplice.server.responses import install_responses_routes
 from kvsplice.server.request_log import RequestLog
 from kvsplice.server.sglang_native import install_generate_routes, install_info_routes
 from kvsplice.server.state import ServerSettings, ServerState
@@ -155,6 +157,8 @@ ROUTES: tuple[RouteInstaller, ...] = (
     _install_probe_routes,                # /health, /readiness, /health_generate, /metrics
     install_info_routes,                  # /get_server_info, /get_model_info
     _install_models_and_tokens_routes,    # /v1/models, /tokenize, /detokenize, /version
+    install_responses_routes,             # /v1/responses[/{id}] (OpenAI Responses API)
+    install_anthropic_routes,             # /v1/messages[/count_tokens] (Anthropic Messages API)
 )
 
 

@@ -2,7 +2,7 @@
 
     request ─> path open (health probes, /metrics, /get_load, the OpenAPI document)?  pass, owner None
            ─> no keys configured?                                                      pass, owner None
-           ─> Authorization: Bearer <key>, key one of the configured ones?            pass, owner = owner_id(key)
+           ─> Authorization: Bearer <key> (or x-api-key: <key>), a configured key?    pass, owner = owner_id(key)
            ─> else                                                                     401, OpenAI body
 
 As in vLLM (`--api-key`, VLLM_API_KEY, `Authorization: Bearer`), with two differences: every route that
@@ -85,7 +85,13 @@ class ApiKeys:
         scheme, _, presented = authorization.partition(" ")
         if scheme.lower() != "bearer":
             return None
-        presented_digest = _digest(presented.strip())
+        return self.owner_of_key(presented.strip())
+
+    def owner_of_key(self, presented: Optional[str]) -> Optional[str]:
+        """owner_id of `presented` (a bare key, as Anthropic clients send it in `x-api-key`), or None."""
+        if not presented:
+            return None
+        presented_digest = _digest(presented)
         match = None
         for key in self.keys:
             if hmac.compare_digest(presented_digest, _digest(key)):
@@ -111,10 +117,11 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        owner = self.keys.owner_of(request.headers.get("authorization"))
+        owner = (self.keys.owner_of(request.headers.get("authorization"))
+                 or self.keys.owner_of_key(request.headers.get("x-api-key")))
         if owner is None:
             self.on_refuse(401)
-            response = _unauthorized("authorization" in request.headers)
+            response = _unauthorized("authorization" in request.headers or "x-api-key" in request.headers)
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})[OWNER_STATE_KEY] = owner
