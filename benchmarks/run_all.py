@@ -73,22 +73,22 @@ BENCHMARKS = (
               "Multi-turn edited conversations on the default model, same server run: prompt tokens computed per "
               "edited turn and TTFT for SCR, prefix caching alone, and the lower bound (changed + appended tokens)."),
     Benchmark("fidelity", "SCR fidelity against exact recompute", "SCR / report",
-              "kvsplice fidelity --k 0,1,2,4,6,8 --tails 4,8,16,32 --budgets 0 --seams 0 --front-tails 16 --no-anchor "
+              "kvsplice fidelity --k 0,1,2,4,6,8 --tails 4,8,16,32 --seams 0 --front-tails 16 --no-anchor "
               "--out runs/fidelity",
               "Built-in edit cases on 1.5K-4K-token chats with the default model: KL(exact || SCR) over the last 32 "
               "prompt positions, top-1 agreement, greedy agreement over 32 tokens; sweeps over K and tail; the "
               "NO_REROTATE control. Targets: mean KL <= 0.005 nats and top-1 >= 99% at K=6/tail=16; NO_REROTATE >= "
               "100x worse."),
     Benchmark("fidelity_front", "Selective recompute: the fidelity front", "fidelity guard",
-              "kvsplice fidelity --seams 8,16,32 --openings 1 --budgets 0.02 --policies heads,deviation "
+              "kvsplice fidelity --seams 8,16,32 --openings 1 "
               "--front-tails 16 --gen-tokens 4 --out runs/fidelity_front",
               "The built-in edit cases with the default model: KL(exact || SCR) over the last 32 prompt positions "
               "(mean, median, p90 and worst of the cases' means, and at the answer position) against the share of the "
-              "prompt computed, for seam lengths and a recompute share by each policy (K=6, tail=16), with two fp8 K/V "
+              "prompt computed, for seam lengths and message openings (K=6, tail=16), with two fp8 K/V "
               "anchors (exact K/V stored in float8 e4m3) computed in the same run. Targets at the default setting: "
               "mean KL <= 0.0015 nats with at most 8% of the prompt computed, worst case <= 0.03."),
     Benchmark("fidelity_fresh", "Selective recompute on fresh workload cases", "fidelity guard",
-              "kvsplice fidelity --workload-seed 11 --relocating --seams 8,16 --openings 1,2 --budgets 0 "
+              "kvsplice fidelity --workload-seed 11 --relocating --seams 8,16 --openings 1,2 "
               "--front-tails 16 --gen-tokens 4 --out runs/fidelity_fresh",
               "Cases drawn from the workload generator (seed 11, the set the default was chosen on besides the "
               "built-in cases): the 17 of its 28 cases whose edit leaves content after it to relocate (`--relocating`; "
@@ -97,7 +97,7 @@ BENCHMARKS = (
               "with the message openings (`--scr-message-start-tokens` 1 and 2), and the fp8 K/V anchors. Same "
               "targets as the front."),
     Benchmark("fidelity_validation", "Selective recompute on validation workload cases", "fidelity guard",
-              "kvsplice fidelity --workload-seed 23 --relocating --seams 8,16 --openings 1 --budgets 0 "
+              "kvsplice fidelity --workload-seed 23 --relocating --seams 8,16 --openings 1 "
               "--front-tails 16 --gen-tokens 4 --no-anchor --out runs/fidelity_validation",
               "A second set that no setting was chosen on, drawn with another seed and selected by the same rule "
               "(`--relocating`: the 17 of its 28 cases whose edit leaves content after it to relocate): SCR without "
@@ -105,7 +105,7 @@ BENCHMARKS = (
               "(the default: seams 8, openings 1). Same targets as the front."),
     Benchmark("fidelity_seed37", "Selective recompute on a third workload seed, measured after the default was set",
               "fidelity guard",
-              "kvsplice fidelity --workload-seed 37 --relocating --seams 8 --openings 1 --budgets 0 "
+              "kvsplice fidelity --workload-seed 37 --relocating --seams 8 --openings 1 "
               "--front-tails 16 --gen-tokens 4 --out runs/fidelity_seed37",
               "A third set, drawn only after the default was chosen and not looked at before: the 20 of seed 37's "
               "23 cases whose edit leaves content after it to relocate. SCR without selective recompute, the default "
@@ -118,10 +118,6 @@ BENCHMARKS = (
               "setting, with the KL at the answer position; the fp8 K/V anchors (exact K/V stored in fp8, per tensor "
               "and per head) as the reference error. Targets: stale answers no more often than exact "
               "recompute; the deleted-fact questions' answer-position KL at least halved."),
-    Benchmark("fidelity_overlap", "Selective recompute by content overlap with removed text (not kept as a default)",
-              "fidelity guard",
-              'kvsplice fidelity --task facts --case delete_result-0,delete_result-1,delete_result-2,delete_result-3,replace_note-0,replace_note-1,replace_note-2,replace_note-3 --removed-seams 64,128,256 --policies heads,overlap --fact-budgets 0.05,0.15,0.3,0.5,1 --out runs/fidelity_facts_overlap',
-              "The `overlap` recompute policy (`--scr-recompute-policy overlap`) recomputes relocated tokens whose token, or bigram with the previous token, also occurs in removed (deleted or replaced) text that their span saw, ranked by the share of the token's occurrences that were in the removed text (the rarest matches first), at most `--scr-recompute` of the relocated tokens and fewer when fewer match. It reads token ids only: no scoring pass. The hypothesis: what a relocated span keeps of removed text came through heads that attend by content (copy and induction heads), so it sits in the tokens that match it. Measured on top of the default 16 seam tokens, against longer seams after removed text at the same compute. Deleted-fact questions first (the 8 `delete_result` and `replace_note` questions of the fact task), then the fresh workload cases below."),
     Benchmark("fidelity_removed_share", "What seams that grow with the removed text would compute (plan only)",
               "fidelity guard", "python benchmarks/fidelity_removed_share.py",
               "The engine's plan for every deleted-fact question of the fact task and every edit case the front is "

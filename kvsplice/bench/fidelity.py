@@ -9,8 +9,8 @@ For each edit case (`kvsplice.bench.edit_cases`) and each SCR setting:
 Metrics over the last 32 prompt positions (always computed: each case ends with a >= 40-token user
 message): KL(exact || SCR) in nats from float64 log_softmax, mean, median and p90, KL at the last
 position (the answer position), and top-1 agreement; over the N generated tokens: the fraction
-equal before the first divergence and an exact-match flag; the relocated / prefilled / recomputed /
-scored token counts of turn 2 and its share of the prompt computed (`kvsplice.bench.fidelity_front`).
+equal before the first divergence and an exact-match flag; the relocated / prefilled / recomputed
+token counts of turn 2 and its share of the prompt computed (`kvsplice.bench.fidelity_front`).
 
 The fp8 anchors (`Harness.fp8`): the exact K/V of turn 2's prompt, stored as float8 e4m3 and read
 back, and the last 32 positions computed against them; their KL against exact is what production
@@ -46,8 +46,7 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.engine.llm import LLM, GenerationResult, build_engine
 from kvsplice.engine.request import Namespace
-from kvsplice.reuse.config import RECOMPUTE_POLICIES, ReuseConfig
-from kvsplice.reuse.recompute import POLICIES
+from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
 LOGIT_POSITIONS = 32
@@ -55,9 +54,7 @@ TURN1_REPLY_TOKENS = 16
 DEFAULT_KS = (0, 1, 2, 4, 6, 8)
 DEFAULT_TAILS = (4, 8, 16, 32)
 BASE_K, BASE_TAIL = 6, 16
-DEFAULT_BUDGETS = (0.02,)
 DEFAULT_SEAMS = (8, 16, 32)
-DEFAULT_POLICIES = ("heads", "deviation")
 DEFAULT_FRONT_TAILS = (16, 4)
 POOL_SLOTS = 8_192  # the reference engine: one prompt of up to ~8K tokens at a time
 ANCHOR_LABEL = "fp8 K/V per tensor (e4m3, scale 1)"
@@ -71,16 +68,13 @@ NO_NAMESPACE = Namespace(None, None)  # the harness's requests carry no owner an
 @dataclass(frozen=True)
 class Setting:
     """One SCR configuration under test. max_spans == 0 means SCR off (plain prefix caching).
-    `seam_tokens`, `removed_seam_tokens`, `message_start_tokens`, `recompute`, `policy`, `score_layers`: selective
-    recompute (always sent, so a server default never leaks into a setting)."""
+    `seam_tokens`, `removed_seam_tokens`, `message_start_tokens`: selective recompute (always sent,
+    so a server default never leaks into a setting)."""
 
     label: str
     max_spans: int
     tail: int
     no_rerotate: bool = False
-    recompute: float = 0.0
-    policy: str = "heads"
-    score_layers: int = 1
     seam_tokens: int = 0
     removed_seam_tokens: int = 0
     message_start_tokens: int = 0
@@ -91,15 +85,13 @@ class Setting:
             return "off"
         return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate,
                 "seam_tokens": self.seam_tokens, "removed_seam_tokens": self.removed_seam_tokens,
-                "message_start_tokens": self.message_start_tokens,
-                "recompute": self.recompute, "recompute_policy": self.policy,
-                "score_layers": self.score_layers}
+                "message_start_tokens": self.message_start_tokens}
 
 
 @dataclass(frozen=True)
 class CaseResult:
     """Fidelity of one case under one setting (see the module docstring for each metric).
-    `computed_tokens`: prefilled tokens plus the scoring pass in token equivalents."""
+    `computed_tokens`: the prompt tokens computed (prefilled)."""
 
     setting: str
     case: str
@@ -118,7 +110,6 @@ class CaseResult:
     kl_median: float = 0.0
     kl_answer: float = 0.0
     recomputed_tokens: int = 0
-    scored_tokens: int = 0
     computed_tokens: float = 0.0
     prefill_flops: int = 0
     full_flops: int = 1
@@ -133,17 +124,12 @@ def sweep_settings(ks: Sequence[int] = DEFAULT_KS, tails: Sequence[int] = DEFAUL
     return settings
 
 
-def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequence[str] = ("heads",),
-                   score_layers: Sequence[int] = (1,), max_spans: int = BASE_K,
-                   tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = (),
-                   removed_seams: Sequence[int] = (), policy_seams: int = 0,
-                   openings: Sequence[int] = ()) -> list[Setting]:
-    """The budget sweep: SCR off, then per tail SCR without recompute, every seam length > 0 alone
-    and with every longer seam of `removed_seams` after removed text, SCR without seams and every
-    seam length with every count of `openings` (the first content tokens of every message recomputed,
-    labelled ", openings N"), and every policy x budget > 0
-    x score depth (the depth only for the policies with a scoring pass), each on top of `policy_seams` seam
-    tokens (labelled ", seams N" when > 0)."""
+def front_settings(max_spans: int = BASE_K, tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = (),
+                   removed_seams: Sequence[int] = (), openings: Sequence[int] = ()) -> list[Setting]:
+    """The selective-recompute sweep: SCR off, then per tail SCR without recompute, every seam
+    length > 0 alone and with every longer seam of `removed_seams` after removed text, SCR without
+    seams and every seam length with every count of `openings` (the first content tokens of every
+    message recomputed, labelled ", openings N")."""
     settings = [Setting("scr off", 0, tails[0])]
     for tail in tails:
         suffix = f" tail={tail}" if len(tails) > 1 else ""
@@ -156,15 +142,6 @@ def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequenc
                                  removed_seam_tokens=r) for r in removed_seams if r > n]
             settings += [Setting(f"seams {n}, openings {m}{suffix}", max_spans, tail, seam_tokens=n,
                                  message_start_tokens=m) for m in openings if m > 0]
-        for policy in policies:
-            depths = score_layers if POLICIES[policy].candidates is not None else (1,)   # a scoring pass
-            for budget in (b for b in budgets if b > 0):
-                for depth in depths:
-                    label = (f"{policy} {budget:g}" + (f" d={depth}" if len(depths) > 1 else "")
-                             + (f", seams {policy_seams}" if policy_seams else "")
-                             + (f" tail={tail}" if len(tails) > 1 else ""))
-                    settings.append(Setting(label, max_spans, tail, recompute=budget, policy=policy,
-                                            score_layers=depth, seam_tokens=policy_seams))
     return settings
 
 
@@ -214,7 +191,6 @@ class Harness:
         self.tokenizer = self.reference.tokenizer
         self.gen_tokens = gen_tokens
         self.base = base or ReuseConfig()
-        self.num_layers = self.reference.model_config.num_layers
         self._exact_cache: dict[tuple[int, ...], GenerationResult] = {}
 
     def _engine(self, config: EngineConfig) -> Engine:
@@ -277,10 +253,7 @@ class Harness:
 
     def result(self, setting: Setting, case: EditCase, turn2_ids: list[int], second: GenerationResult) -> CaseResult:
         """The CaseResult of `second` (turn 2 of `case` under `setting`) against the exact turn 2."""
-        stats = second.reuse
-        depth = min(setting.score_layers, self.num_layers - 1)
-        computed = stats.prefilled_tokens + stats.scored_tokens * depth / self.num_layers
-        return compare(setting.label, case.name, self.exact(turn2_ids), second, computed,
+        return compare(setting.label, case.name, self.exact(turn2_ids), second, second.reuse.prefilled_tokens,
                        self.full_flops(len(turn2_ids)))
 
     def full_flops(self, prompt_len: int) -> int:
@@ -340,7 +313,7 @@ def compare(label: str, case_name: str, exact: GenerationResult, approx: Generat
         greedy_prefix_frac=greedy_prefix_fraction(exact.token_ids, approx.token_ids),
         greedy_exact=exact.token_ids == approx.token_ids,
         kl_median=statistics.median(kls), kl_answer=per_position[max(per_position)],
-        recomputed_tokens=stats.recomputed, scored_tokens=stats.scored_tokens,
+        recomputed_tokens=stats.recomputed,
         computed_tokens=computed_tokens, prefill_flops=stats.prefill_flops, full_flops=full_flops,
     )
 
@@ -359,12 +332,12 @@ def markdown_table(summaries: Sequence[dict]) -> str:
 
 def case_table(results: Sequence[CaseResult]) -> str:
     """One row per (setting, case)."""
-    lines = ["| setting | case | prompt | prefix | relocated (spans) | prefilled (recomputed) | scored | mean KL | "
-             "p90 KL | answer KL | top-1 | greedy prefix |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | case | prompt | prefix | relocated (spans) | prefilled (recomputed) | mean KL | "
+             "p90 KL | answer KL | top-1 | greedy prefix |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.setting} | {r.case} | {r.prompt_tokens} | {r.prefix_tokens} | "
                      f"{r.relocated_tokens} ({r.relocated_spans}) | {r.prefilled_tokens} ({r.recomputed_tokens}) | "
-                     f"{r.scored_tokens} | {r.kl_mean:.5f} | {r.kl_p90:.5f} | {r.kl_answer:.5f} | "
+                     f"{r.kl_mean:.5f} | {r.kl_p90:.5f} | {r.kl_answer:.5f} | "
                      f"{r.top1_agreement:.3f} | {r.greedy_prefix_frac:.3f} |")
     return "\n".join(lines)
 
@@ -372,14 +345,14 @@ def case_table(results: Sequence[CaseResult]) -> str:
 def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir: Path,
                 anchor: Optional[dict] = None) -> list[Path]:
     """PNGs (matplotlib Agg): KL vs K, relocated tokens vs K and KL vs tail when the K / tail
-    sweep ran; KL vs computed share (one line per policy, the fp8 anchor as a line) when the
-    budget sweep ran. Returns the paths written."""
+    sweep ran; KL vs computed share (one point per SCR setting, the fp8 anchor as a line) when
+    the selective-recompute sweep ran. Returns the paths written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     by_label = {s["setting"]: s for s in summaries}
-    plain = [st for st in settings if st.recompute == 0 and not st.no_rerotate]
+    plain = [st for st in settings if not st.no_rerotate]
     k_rows = [(st.max_spans, by_label[st.label]) for st in plain if st.tail == BASE_TAIL]
     tail_rows = [(st.tail, by_label[st.label]) for st in plain if st.max_spans == BASE_K]
     plots = []
@@ -401,20 +374,18 @@ def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir:
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
         paths.append(out_dir / name)
-    if any(st.recompute > 0 for st in settings):
+    if any(st.seam_tokens or st.message_start_tokens for st in settings):
         paths.append(_plot_front(summaries, settings, anchor, out_dir / "front.png", plt))
     return paths
 
 
 def _plot_front(summaries, settings, anchor, path: Path, plt) -> Path:
     by_label = {s["setting"]: s for s in summaries}
-    base = [st for st in settings if st.max_spans and st.recompute == 0 and not st.no_rerotate]
+    rows = [by_label[st.label] for st in settings if st.max_spans and not st.no_rerotate]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in dict.fromkeys(st.policy for st in settings if st.recompute > 0):
-        rows = [by_label[st.label] for st in base[:1]] + [by_label[st.label] for st in settings
-                                                          if st.recompute > 0 and st.policy == policy]
-        rows.sort(key=lambda s: s["computed_share"])
-        ax.plot([100 * s["computed_share"] for s in rows], [s["kl_mean"] for s in rows], marker="o", label=policy)
+    ax.plot([100 * s["computed_share"] for s in rows], [s["kl_mean"] for s in rows], "o", label="SCR settings")
+    for s in rows:
+        ax.annotate(s["setting"], (100 * s["computed_share"], s["kl_mean"]), fontsize=6)
     if anchor is not None:
         ax.axhline(anchor["kl_mean"], color="gray", linestyle="--", label="fp8 K/V")
     ax.set_xlabel("prompt computed (%)")
@@ -479,8 +450,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--k", type=_number_list(int), default=None,
                         help="K values to sweep at tail=16 (0 = SCR off), with the NO_REROTATE control")
     parser.add_argument("--tails", type=_number_list(int), default=None, help="tail values to sweep at K=6")
-    parser.add_argument("--budgets", type=_number_list(float), default=list(DEFAULT_BUDGETS),
-                        help="selective-recompute shares to sweep at K=6, tail=16 (0: none)")
     parser.add_argument("--seams", type=_number_list(int), default=list(DEFAULT_SEAMS),
                         help="seam lengths to sweep: tokens recomputed at the start of every relocated span")
     parser.add_argument("--removed-seams", type=_number_list(int), default=[],
@@ -489,19 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--openings", type=_number_list(int), default=[],
                         help="also sweep SCR without seams and every seam length with this many first content "
                              "tokens of every message recomputed (--scr-message-start-tokens)")
-    parser.add_argument("--policies", type=_name_list, default=list(DEFAULT_POLICIES),
-                        help=f"recompute policies to sweep ({', '.join(RECOMPUTE_POLICIES)})")
-    parser.add_argument("--policy-seams", type=int, default=0,
-                        help="seam tokens under every policy x budget setting (0: the policy's share alone)")
-    parser.add_argument("--score-layers", type=_number_list(int), default=[1],
-                        help="layers of the scoring pass to sweep (deviation policies)")
     parser.add_argument("--front-tails", type=_number_list(int), default=list(DEFAULT_FRONT_TAILS),
-                        help="span tails of the budget sweep (K=6)")
+                        help="span tails of the selective-recompute sweep (K=6)")
     parser.add_argument("--fact-seams", type=_number_list(int), default=[],
                         help="facts task: also run K=6, tail=16 with these seam lengths")
-    parser.add_argument("--fact-budgets", type=_number_list(float), default=[],
-                        help="facts task: also run every --policies policy at these shares, on top of the "
-                             "server default's seams")
     parser.add_argument("--no-anchor", action="store_true", help="skip the fp8 K/V anchors")
     parser.add_argument("--max-share", type=float, default=0.08,
                         help="most of the prompt the chosen default may compute")
@@ -528,14 +488,11 @@ def select_cases(cases: list[EditCase], names: Optional[list[str]], max_cases: O
 def _check_args(args) -> Optional[str]:
     if args.gen_tokens < 1 or 0 in (args.tails or []) or 0 in args.front_tails:
         return "--gen-tokens and every tail must be >= 1"
-    if any(b > 1 for b in args.budgets + args.fact_budgets) or not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
-        return "every budget and --max-share must lie in [0, 1], --kl-target in (0, 10)"
-    bad = [p for p in args.policies if p not in RECOMPUTE_POLICIES]
-    if bad:
-        return f"unknown policy {bad[0]!r}; expected some of {', '.join(RECOMPUTE_POLICIES)}"
-    if any(not 1 <= d <= 8 for d in args.score_layers) or (args.max_cases is not None and args.max_cases < 1):
-        return "--score-layers must lie in [1, 8] and --max-cases be >= 1"
-    if any(not 0 <= n <= 4096 for n in args.seams + args.fact_seams + args.removed_seams + [args.policy_seams]):
+    if not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
+        return "--max-share must lie in (0, 1], --kl-target in (0, 10)"
+    if args.max_cases is not None and args.max_cases < 1:
+        return "--max-cases must be >= 1"
+    if any(not 0 <= n <= 4096 for n in args.seams + args.fact_seams + args.removed_seams):
         return "every seam length must lie in [0, 4096]"
     if any(not 0 <= n <= 64 for n in args.openings):
         return "every --openings count must lie in [0, 64]"
@@ -575,8 +532,7 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
-    front = front_settings(args.budgets, args.policies, args.score_layers, tails=args.front_tails, seams=args.seams,
-                           removed_seams=args.removed_seams, policy_seams=args.policy_seams,
+    front = front_settings(tails=args.front_tails, seams=args.seams, removed_seams=args.removed_seams,
                            openings=args.openings)
     settings += [st for st in front if st.label not in {s.label for s in settings}]
     harness = Harness(args.model, gen_tokens=args.gen_tokens)

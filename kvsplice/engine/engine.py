@@ -211,18 +211,13 @@ class Engine:
         self._lane_outputs = []
         if self.lane is None:
             # a request whose admission raises is failed there
-            outputs += self._score_and_compute(self.scheduler.schedule())
+            outputs += self._compute(self.scheduler.schedule())
         else:
             outputs += self._step_beside_lane()
         outputs += [self._output(req, (), "", ()) for req in self._take_failed()]
         if not self.scheduler.has_work():
             self.check_integrity()
         return outputs
-
-    def _score_and_compute(self, chunks: list[Chunk]) -> list[RequestOutput]:
-        """The scoring chunks' passes (`_score`), then the other chunks here (`_compute`)."""
-        self._score([c for c in chunks if c.depth is not None])
-        return self._compute([c for c in chunks if c.depth is None])
 
     def _compute(self, chunks: list[Chunk], beside_lane: bool = False) -> list[RequestOutput]:
         """Run `chunks` here (`_run`) and postprocess them: the outputs they produced."""
@@ -248,14 +243,12 @@ class Engine:
         if not decodes:
             if self.lane.busy:
                 return outputs + self._take_lane(block=True)
-            return outputs + self._score_and_compute(self.scheduler.schedule_prefill(self.config.max_batch_tokens))
+            return outputs + self._compute(self.scheduler.schedule_prefill(self.config.max_batch_tokens))
         if not self.lane.busy:
             chunks = self.scheduler.schedule_prefill(self.config.max_batch_tokens - len(decodes))
-            self._score([c for c in chunks if c.depth is not None])
-            job = [c for c in chunks if c.depth is None and c.req.status is ReqStatus.RUNNING]
-            if job:
-                self.scheduler.held.update(c.req.rid for c in job)
-                self.lane.start(job)
+            if chunks:
+                self.scheduler.held.update(c.req.rid for c in chunks)
+                self.lane.start(chunks)
         outputs += self._compute(decodes, beside_lane=self.lane.busy)
         return outputs + self._take_lane(block=False)
 
@@ -278,17 +271,6 @@ class Engine:
                            len(chunks), taken.error)
             done = [pair for chunk in chunks for pair in self._run_batch([chunk])]
         return self._postprocess_all(done)
-
-    def _score(self, chunks: list[Chunk]) -> None:
-        """SCR scoring passes (kvsplice.reuse.recompute), one forward through the first layers per
-        chunk, their K/V handed to the ReuseManager. One that raises fails its request only: it
-        wrote only that request's own slots (relocated and pending offsets)."""
-        for chunk in chunks:
-            try:
-                self.reuse.scored(chunk.req, chunk.offsets, *self.runner.layer_kv(chunk))
-            except Exception as exc:  # noqa: BLE001 -- fails this request only
-                self._fail(chunk.req, exc, "scoring")
-            self.counters.forward_steps += 1
 
     def _run(self, chunks: list[Chunk], beside_lane: bool = False) -> list[tuple[Chunk, ChunkResult]]:
         """The step's forward and sampling, (chunk, result) for the chunks that succeeded.

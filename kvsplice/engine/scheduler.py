@@ -17,9 +17,7 @@ for its own steps, `schedule_prefill(max_batch_tokens)` for the lane's job, whos
 `held` until it is done.
 
 A request's work in a step is a list of offsets to compute (not necessarily contiguous: under
-SCR the relocated spans sit between them). A request whose SCR plan asked for a scoring pass
-(`Req.scoring`, kvsplice.reuse.recompute) first gets scoring chunks: rows run through the first
-`depth` layers only, charged to the budget at that share of a full token.
+SCR the relocated spans sit between them).
 """
 
 from __future__ import annotations
@@ -36,16 +34,14 @@ from kvsplice.engine.step_budget import StepBudget
 @dataclass(frozen=True)
 class Chunk:
     """Offsets of one request to compute in this step; `samples` when the last of them is the
-    sequence's last token (so the step yields the request's next token). `depth`: a scoring chunk,
-    run through that many layers only (never samples)."""
+    sequence's last token (so the step yields the request's next token)."""
 
     req: Req
     offsets: list[int]
-    depth: int | None = None
 
     @property
     def samples(self) -> bool:
-        return self.depth is None and self.offsets[-1] == self.req.seq_len - 1
+        return self.offsets[-1] == self.req.seq_len - 1
 
 
 class Scheduler:
@@ -116,14 +112,9 @@ class Scheduler:
 
     @staticmethod
     def _add_prefill_chunk(req: Req, budget: int, chunks: list[Chunk]) -> int:
-        """Append `req`'s next prefill chunk within `budget` (its scoring pass first, if it has
-        one); return what it costs in full-depth tokens."""
-        scoring = req.scoring
-        if scoring is None:
-            chunks.append(Chunk(req, req.pending[:budget]))
-            return len(chunks[-1].offsets)
-        chunks.append(Chunk(req, scoring.next_rows(budget), depth=scoring.depth))
-        return scoring.cost(len(chunks[-1].offsets))
+        """Append `req`'s next prefill chunk within `budget`; return its token count."""
+        chunks.append(Chunk(req, req.pending[:budget]))
+        return len(chunks[-1].offsets)
 
     def _grow_or_preempt(self, req: Req, chunks: list[Chunk]) -> bool:
         """Give `req` its decode slot, preempting the newest other requests not yet scheduled

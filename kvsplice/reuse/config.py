@@ -17,8 +17,6 @@ from kvsplice.cache.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 
 StateMode = Literal["fork", "checkpoint", "none"]
 STATE_MODES: tuple[str, ...] = ("fork", "checkpoint", "none")
-# how selective recompute picks its tokens (kvsplice.reuse.recompute.POLICIES says what each does)
-RECOMPUTE_POLICIES: tuple[str, ...] = ("heads", "deviation", "overlap", "random")
 
 
 @dataclass(frozen=True)
@@ -51,18 +49,13 @@ class ReuseConfig:
     checkpoint_policy: str = DEFAULT_POLICY
     checkpoint_max_states: int = 64
     # selective recompute (kvsplice.reuse.recompute): tokens computed again in every layer after
-    # relocation: the first `seam_tokens` of every relocated span, and a `recompute` share of the
-    # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
-    # through the first `score_layers` layers); a span that directly follows removed (deleted or
-    # replaced) old text gets a seam of `removed_seam_tokens` instead, when that is longer; and the
-    # role, line break and first `message_start_tokens` content tokens of every message inside a
-    # relocated span from the first edit on (kvsplice.reuse.message_starts)
+    # relocation: the first `seam_tokens` of every relocated span (a span that directly follows
+    # removed, i.e. deleted or replaced, old text gets a seam of `removed_seam_tokens` instead, when
+    # that is longer), and the role, line break and first `message_start_tokens` content tokens of
+    # every message inside a relocated span from the first edit on (kvsplice.reuse.message_starts)
     seam_tokens: int = 8
     removed_seam_tokens: int = 0
     message_start_tokens: int = 1
-    recompute: float = 0.0
-    recompute_policy: str = "heads"
-    score_layers: int = 1
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
@@ -144,9 +137,6 @@ FIELD_TYPES: dict[str, type] = {
     "seam_tokens": int,
     "removed_seam_tokens": int,
     "message_start_tokens": int,
-    "recompute": float,
-    "recompute_policy": str,
-    "score_layers": int,
 }
 
 # Every setting's range, inclusive. Lower bounds: tail >= 1 keeps the prompt's last token computed.
@@ -156,11 +146,9 @@ FIELD_TYPES: dict[str, type] = {
 # and the rolling hash's bit mask must fit 64 bits); at most 1,024 relocated spans per request;
 # at most 2**20 tracked sessions and 2**32 private session tokens (beyond any pool's memory);
 # at most 2**20 state checkpoints (one is megabytes on a real hybrid); fractions and margins in
-# [0, 1] (they compare token overlaps, which lie in [0, 1]; `recompute` is a share of the relocated
-# tokens). Selective recompute: at most 4,096 seam tokens per span (the error sits in the first
-# few dozen tokens after a seam), at most 64 recomputed tokens at each message's start (one holds
-# the error measured there) and a scoring pass of at most 8 layers (CacheBlend checks at
-# layer 1; deeper, a full recompute of the candidates costs little more).
+# [0, 1] (they compare token overlaps, which lie in [0, 1]). Selective recompute: at most 4,096
+# seam tokens per span (the error sits in the first few dozen tokens after a seam) and at most 64
+# recomputed tokens at each message's start (one holds the error measured there).
 MAX_TOKENS = 1 << 22
 _INT_RANGE = {
     "max_spans": (0, 1024),
@@ -177,7 +165,6 @@ _INT_RANGE = {
     "seam_tokens": (0, 4096),
     "removed_seam_tokens": (0, 4096),
     "message_start_tokens": (0, 64),
-    "score_layers": (1, 8),
 }
 _FLOAT_RANGE = (0.0, 1.0)
 
@@ -207,9 +194,8 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
             raise SettingError(f"{label}: {exc}", label) from None
         return
     if kind is str:
-        choices = RECOMPUTE_POLICIES if name == "recompute_policy" else STATE_MODES
-        if value not in choices:
-            raise SettingError(f"{label} must be one of {', '.join(choices)}, got {value!r}", label)
+        if value not in STATE_MODES:
+            raise SettingError(f"{label} must be one of {', '.join(STATE_MODES)}, got {value!r}", label)
         return
     if kind is bool:
         if not isinstance(value, bool):
@@ -313,13 +299,6 @@ ENV_TABLE: tuple[EnvVar, ...] = (
     EnvVar("KVREUSE_MESSAGE_START_TOKENS", "message_start_tokens", parse_int, "--scr-message-start-tokens",
            "content tokens recomputed, with the role and line break, at the start of every message "
            "inside an edited relocated span (0: none; attention-only models)"),
-    EnvVar("KVREUSE_RECOMPUTE", "recompute", parse_float, "--scr-recompute",
-           "share of relocated tokens recomputed in every layer, chosen by recompute_policy (0: none; "
-           "attention-only models)"),
-    EnvVar("KVREUSE_RECOMPUTE_POLICY", "recompute_policy", parse_str, "--scr-recompute-policy",
-           "which relocated tokens are recomputed: " + ", ".join(RECOMPUTE_POLICIES)),
-    EnvVar("KVREUSE_SCORE_LAYERS", "score_layers", parse_int, "--scr-score-layers",
-           "layers the scoring pass recomputes before comparing K/V (deviation policies)"),
 )
 
 # Variables of the SCR overlay that no longer apply: setting one is an error, never silently ignored.
@@ -331,8 +310,7 @@ RETIRED_ENV: dict[str, str] = {
 
 # Settings a single request may override; the rest belong to the whole server (session store).
 REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode", "seam_tokens", "removed_seam_tokens", "message_start_tokens", "recompute",
-                            "recompute_policy", "score_layers"})
+                            "state_mode", "seam_tokens", "removed_seam_tokens", "message_start_tokens"})
 
 SALT_OFF = "kvreuse:off"
 
