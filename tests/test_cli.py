@@ -52,7 +52,6 @@ def test_scr_precedence_flag_over_env_over_default():
     assert (config.max_spans, config.tail) == (5, 4)
     assert config.min_span == reuse_config_from_args(_serve_args(), {}).min_span
     assert reuse_config_from_args(_serve_args("--no-scr"), {}).enabled is False
-    assert reuse_config_from_args(_serve_args("--scr-no-rerotate"), {}).no_rerotate is True
     assert reuse_config_from_args(_serve_args("--scr-enabled", "0"), {"KVREUSE_ENABLED": "1"}).enabled is False
 
 

@@ -69,7 +69,8 @@ NO_NAMESPACE = Namespace(None, None)  # the harness's requests carry no owner an
 class Setting:
     """One SCR configuration under test. max_spans == 0 means SCR off (plain prefix caching).
     `seam_tokens`, `removed_seam_tokens`, `message_start_tokens`: selective recompute (always sent,
-    so a server default never leaks into a setting)."""
+    so a server default never leaks into a setting). `no_rerotate`: the control experiment
+    (`ReuseConfig.no_rerotate`, no request field: such a setting runs on an engine of its own)."""
 
     label: str
     max_spans: int
@@ -83,8 +84,7 @@ class Setting:
         """The per-request `scr` field for this setting ("off" when K == 0)."""
         if self.max_spans == 0:
             return "off"
-        return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate,
-                "seam_tokens": self.seam_tokens, "removed_seam_tokens": self.removed_seam_tokens,
+        return {"max_spans": self.max_spans, "tail": self.tail, "seam_tokens": self.seam_tokens, "removed_seam_tokens": self.removed_seam_tokens,
                 "message_start_tokens": self.message_start_tokens}
 
 
@@ -183,7 +183,9 @@ class Harness:
     Within a case every setting runs under its own session id with per-request `scr` settings.
     Turn 1's prompt is prefilled once and its radix path locked by the harness; after each setting
     `flush_cache` drops every session and every other radix entry, so each setting starts from the
-    state a fresh engine has after prefilling turn 1's prompt (exact K/V either way).
+    state a fresh engine has after prefilling turn 1's prompt (exact K/V either way). The
+    NO_REROTATE control is an engine setting, not a request's: its settings run on a second case
+    engine built with it, prepared the same way.
     """
 
     def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None):
@@ -197,11 +199,13 @@ class Harness:
         ref = self.reference
         return Engine(ref.runner.model, ref.model_config, ref.tokenizer, config, name=ref.name)
 
-    def case_engine(self, turn1_tokens: int = 4096) -> Engine:
-        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder, SCR on, with room
-        for turn 1, one session and turn 2 of a case whose turn 1 has `turn1_tokens` tokens."""
+    def case_engine(self, turn1_tokens: int = 4096, no_rerotate: bool = False) -> Engine:
+        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder, SCR on (keys
+        relocated without re-rotation with `no_rerotate`), with room for turn 1, one session and
+        turn 2 of a case whose turn 1 has `turn1_tokens` tokens."""
         slots = 4 * turn1_tokens + 4096
-        return self._engine(EngineConfig(num_slots=slots, reuse=self.base.replace(enabled=True)))
+        reuse = self.base.replace(enabled=True, no_rerotate=no_rerotate)
+        return self._engine(EngineConfig(num_slots=slots, reuse=reuse))
 
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -267,19 +271,25 @@ class Harness:
                          prefill_flops=full) for label, out in self.fp8(turn2_ids).items()]
 
     def case_outputs(self, case: EditCase, settings: Sequence[Setting]) -> list[tuple[list[int], GenerationResult]]:
-        """Turn 2's prompt and SCR result under every setting of `case`, on one fresh engine (see
-        the class docstring)."""
+        """Turn 2's prompt and SCR result under every setting of `case`, on one fresh engine per
+        value of `no_rerotate` (see the class docstring)."""
         turn1_ids = turn1_prompt(self.tokenizer, case)
-        engine = self.case_engine(len(turn1_ids))
-        llm = LLM(engine=engine)
-        llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once
-        radix = engine.cache.radix
-        turn1 = radix.match_prefix(turn1_ids, NO_NAMESPACE)
-        radix.lock(turn1.node)
+        llms: dict[bool, LLM] = {}
+        locked = []
         try:
-            return [self.turn2_ids(llm, setting, case) for setting in settings]
+            outputs = []
+            for setting in settings:
+                if setting.no_rerotate not in llms:
+                    llm = llms[setting.no_rerotate] = LLM(engine=self.case_engine(len(turn1_ids), setting.no_rerotate))
+                    llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once
+                    radix = llm.engine.cache.radix
+                    locked.append((radix, radix.match_prefix(turn1_ids, NO_NAMESPACE).node))
+                    radix.lock(locked[-1][1])
+                outputs.append(self.turn2_ids(llms[setting.no_rerotate], setting, case))
+            return outputs
         finally:
-            radix.unlock(turn1.node)
+            for radix, node in locked:
+                radix.unlock(node)
 
     def run_case(self, case: EditCase, settings: Sequence[Setting], anchor: bool = False) -> list[CaseResult]:
         """Every setting on `case` (`case_outputs`) against the exact turn 2; with `anchor`, the fp8

@@ -37,7 +37,9 @@ class ReuseConfig:
     match_ambig_margin: float = 0.15  # a rival keeping almost as much (this share of the prompt): no match
     match_max_postings: int = 8  # a chunk held by more sessions is common content: ignored
     match_max_candidates: int = 4  # sessions verified by a token diff per request
-    no_rerotate: bool = False  # control: relocate keys without the RoPE delta rotation
+    # a control experiment, wrong on purpose: relocate keys without the RoPE delta rotation. Set
+    # only in code (tests, the fidelity harness): no request field, flag or environment variable
+    no_rerotate: bool = False
     fastdiff_min: int = 2048  # chunk-level diff when both sequences are at least this long
     cdc_target: int = 64  # mean chunk size of the content-defined chunking (a power of 2)
     # hybrid (linear-attention) models: the state a linear layer resumes from after a relocated
@@ -277,8 +279,6 @@ ENV_TABLE: tuple[EnvVar, ...] = (
            "session matching: content held by more sessions than this is common and ignored"),
     EnvVar("KVREUSE_MATCH_MAX_CANDIDATES", "match_max_candidates", parse_int, "--scr-match-max-candidates",
            "session matching: sessions verified by a token diff per request"),
-    EnvVar("KVREUSE_NO_REROTATE", "no_rerotate", parse_bool, "--scr-no-rerotate",
-           "control experiment: relocate keys without re-rotating RoPE"),
     EnvVar("KVREUSE_FASTDIFF_MIN", "fastdiff_min", parse_int, "--scr-fastdiff-min",
            "use the chunk-level diff when both sequences have at least this many tokens"),
     EnvVar("KVREUSE_CDC_TARGET", "cdc_target", parse_int, "--scr-cdc-target",
@@ -308,8 +308,12 @@ RETIRED_ENV: dict[str, str] = {
     for name in ("KVREUSE_MATCH_WINDOW", "KVREUSE_MATCH_MIN_PREFIX_FRAC", "KVREUSE_MATCH_MIN_OVERLAP")
 }
 
+# Control experiments, wrong on purpose: set only in code (tests, the fidelity harness), never by an
+# environment variable, a flag or a request.
+CONTROL_FIELDS = frozenset({"no_rerotate"})
+
 # Settings a single request may override; the rest belong to the whole server (session store).
-REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
+REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "fastdiff_min", "cdc_target",
                             "state_mode", "seam_tokens", "removed_seam_tokens", "message_start_tokens"})
 
 SALT_OFF = "kvreuse:off"
@@ -320,7 +324,7 @@ def parse_request_override(scr: str | dict | None, cache_salt: str | None, base:
 
     `scr="off"` or `cache_salt == "kvreuse:off"` (the overlay's salt form) turns SCR off; `scr="on"`
     keeps `base`; a dict of per-request settings (names in REQUEST_FIELDS, e.g. {"max_spans": 2,
-    "tail": 8, "no_rerotate": True}) overrides `base`. Unknown or server-wide keys, bad types and
+    "tail": 8}) overrides `base`. Unknown or server-wide keys, bad types and
     out-of-range values (see _INT_RANGE for the bounds) raise SettingError, a ValueError naming the
     field (the server answers 400). The salt stays the request's cache namespace; that is the
     caller's business.
