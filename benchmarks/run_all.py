@@ -118,12 +118,6 @@ BENCHMARKS = (
               "setting, with the KL at the answer position; the fp8 K/V anchors (exact K/V stored in fp8, per tensor "
               "and per head) as the reference error. Targets: stale answers no more often than exact "
               "recompute; the deleted-fact questions' answer-position KL at least halved."),
-    Benchmark("fidelity_removed_share", "What seams that grow with the removed text would compute (plan only)",
-              "fidelity guard", "python benchmarks/fidelity_removed_share.py",
-              "The engine's plan for every deleted-fact question of the fact task and every edit case the front is "
-              "measured on: prompt and removed tokens, and how much more of the prompt a seam of alpha x the removed "
-              "token count (at most a cap) after removed text would compute than the default's fixed seams. No "
-              "forward pass; turn 1's reply is a fixed sentence instead of the model's 16 greedy tokens."),
     Benchmark("scr_replay", "Agent-trace replay, SCR on vs off", "report",
               "python benchmarks/scr_replay.py --out runs/scr_replay",
               "The same synthetic context-editing agent trace replayed against two servers (SCR on, SCR off) on the "
