@@ -5,7 +5,7 @@
     kvsplice generate [--model M] --prompt TEXT [--max-tokens N] [--temperature T] [--seed S] [--chat]
     kvsplice pull                      fetch and convert the default model
     kvsplice bench | report | workload (see kvsplice/bench/commands.py)
-    kvsplice fidelity (see kvsplice/bench/fidelity.py)
+    kvsplice fidelity (see kvsplice/bench/fidelity_cli.py)
 
 Engine flags mirror EngineConfig; SCR flags mirror `kvsplice.reuse.config.ENV_TABLE`. Precedence for SCR
 settings: command-line flag > KVREUSE_* environment variable > default; API keys: `--api-key` flags >
@@ -293,7 +293,7 @@ def _bench_command(name: str):
     """The `*_main(argv) -> int` of a subcommand that parses its own arguments (imported lazily)."""
     def load():
         if name == "fidelity":
-            from kvsplice.bench.fidelity import fidelity_main
+            from kvsplice.bench.fidelity_cli import fidelity_main
             return fidelity_main
         from kvsplice.bench import commands
         return getattr(commands, f"{name}_main")

@@ -12,8 +12,8 @@ import torch
 
 from kvsplice.bench.edit_cases import (REPLY_PLACEHOLDER, CasesFileError, EditCase, builtin_cases, fill_reply,
                                        leaves_content_to_relocate, load_cases)
-from kvsplice.bench.fidelity import (Harness, Setting, fidelity_main, greedy_prefix_fraction, kl_per_position,
-                                     percentile, run_sweep)
+from kvsplice.bench.fidelity import Harness, Setting, greedy_prefix_fraction, kl_per_position, percentile, run_sweep
+from kvsplice.bench.fidelity_cli import fidelity_main
 from kvsplice.reuse.config import ReuseConfig
 
 WORDS = ("the tool result lists functions and classes of the module with their arguments and return "
@@ -84,7 +84,7 @@ def test_only_cases_that_keep_turn_1s_last_message_leave_content_to_relocate(tmp
     path = tmp_path / "cases.jsonl"
     path.write_text("".join(json.dumps({"name": c.name, "turn1": list(c.turn1), "turn2": list(c.turn2)}) + "\n"
                             for c in (middle, end, append)))
-    from kvsplice.bench.fidelity import build_parser, load_edit_cases
+    from kvsplice.bench.fidelity_cli import build_parser, load_edit_cases
     args = build_parser().parse_args(["--cases", str(path), "--relocating"])
     assert [c.name for c in load_edit_cases(args)] == ["middle"]
 
