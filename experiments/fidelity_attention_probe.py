@@ -24,7 +24,7 @@ from kvsplice.engine.llm import LLM
 from kvsplice.layers.rotary import apply_rope
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.reuse.diff import common_prefix_len, diff_tokens
-from kvsplice.reuse.message_starts import MessageStarts
+from kvsplice.message_offsets import MessageStarts
 from kvsplice.reuse.plan import SpanPlan, make_plan
 from kvsplice.reuse.recompute import in_edited_keeps, seam_offsets
 from kvsplice.reuse.relocate import relocate

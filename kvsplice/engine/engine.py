@@ -41,7 +41,7 @@ from kvsplice.engine.scheduler import Chunk, Scheduler
 from kvsplice.layers.logits_processors import LogitsState
 from kvsplice.layers.sampler import make_generator
 from kvsplice.models.config import ModelConfig
-from kvsplice.reuse.message_starts import MessageStarts
+from kvsplice.message_offsets import MessageStarts
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.structured.grammar import GrammarCache
 from kvsplice.structured.matcher import GrammarState

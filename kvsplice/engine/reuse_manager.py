@@ -63,7 +63,7 @@ from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_overr
 from kvsplice.reuse.diff import EqualRun, diff_tokens
 from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before,
                                  removed_spans)
-from kvsplice.reuse.message_starts import MessageStarts
+from kvsplice.message_offsets import MessageStarts
 from kvsplice.reuse.recompute import in_edited_keeps, seam_offsets
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.session import Session, SessionStore
@@ -298,7 +298,7 @@ class ReuseManager:
     def _plan_recompute(self, req: Req, scr: ScrRequest) -> int:
         """Selective recompute for `req`'s fresh plan: the first `seam_tokens` of every span
         (`removed_seam_tokens` right after removed text) and the message openings (role, line break
-        and the first `message_start_tokens` content tokens; kvsplice.reuse.message_starts) in the
+        and the first `message_start_tokens` content tokens; kvsplice.message_offsets) in the
         spans from the first edit on (none in a turn that only appends). Returns how many tokens
         it recomputes (0 on hybrids)."""
         cfg = scr.cfg

@@ -54,7 +54,7 @@ class ReuseConfig:
     # relocation: the first `seam_tokens` of every relocated span (a span that directly follows
     # removed, i.e. deleted or replaced, old text gets a seam of `removed_seam_tokens` instead, when
     # that is longer), and the role, line break and first `message_start_tokens` content tokens of
-    # every message inside a relocated span from the first edit on (kvsplice.reuse.message_starts)
+    # every message inside a relocated span from the first edit on (kvsplice.message_offsets.MessageStarts)
     seam_tokens: int = 8
     removed_seam_tokens: int = 0
     message_start_tokens: int = 1

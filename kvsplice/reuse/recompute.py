@@ -12,7 +12,7 @@ request's main forward, next to B', the span tails and D:
     seam_tokens             ^^^^                                    ^^^^                        (first N of each span)
     message openings                    ^^                                   ^^     (role, \\n, first M content
                                                                                     tokens of every message in a
-                                                                                    span: reuse.message_starts)
+                                                                                    span: kvsplice.message_offsets)
     main forward           B'   ^^^^ ...                      tail  ^^^^ ...             tail  D
 
 Both are chosen at admission from the plan and the prompt's token ids (the engine's ReuseManager
