@@ -387,11 +387,6 @@ class ReuseManager:
         return result
 
     # ----- the end of a request ---------------------------------------------------------
-    def preempt(self, req: Req) -> None:
-        """Free everything `req` holds; its session (if any) stays attached and in flight, so
-        re-admission plans again from the same previous sequence."""
-        self.cache.release(req, cache=False)
-
     def finish(self, req: Req, cache: bool) -> None:
         """Return `req`'s slots; with `cache`, its exact K/V enters the radix tree and its SCR
         session (if any; a new one when the match forks) takes over the new sequence's K/V."""
