@@ -105,7 +105,7 @@ BENCHMARKS = (
               "the built-in fidelity cases).",
               (r"^\| (edit|delete|replace|strip|update|all)",)),
     Benchmark("fidelity", "SCR fidelity against exact recompute", "SCR / report",
-              "kvsplice fidelity --k 0,1,2,4,6,8 --tails 4,8,16,32 --budgets 0 --seams 0 --front-tails 16 --no-anchor "
+              "kvsplice fidelity --k 0,1,2,4,6,8 --tails 4,8,16,32 --seams 0 --front-tails 16 --no-anchor "
               "--out runs/fidelity",
               "Built-in edit cases (1.5K-4K-token agent chats, default model): KL(exact || SCR) over the last "
               "32 prompt positions, top-1 and greedy agreement, over K and tail, and the NO_REROTATE control. "
@@ -115,7 +115,7 @@ BENCHMARKS = (
               (r"^\| setting \| mean KL", r"^\| (scr off|K=[1246] tail=16|K=6 tail=(4|32)|NO_REROTATE)"),
               ("setting", "mean KL (nats)", "max KL", "top-1", "relocated", "prefilled")),
     Benchmark("fidelity_front", "Selective recompute: the fidelity front", "fidelity guard",
-              "kvsplice fidelity --seams 8,16,32 --openings 1 --budgets 0.02 --policies heads,deviation "
+              "kvsplice fidelity --seams 8,16,32 --openings 1 "
               "--front-tails 16 --gen-tokens 4 --out runs/fidelity_front",
               "The built-in edit cases: KL(exact || SCR) against the share of the prompt computed, for seam "
               "lengths with and without the message openings (K=6, tail=16), and fp8 K/V anchors (exact K/V "
@@ -126,7 +126,7 @@ BENCHMARKS = (
               (r"^front over", r"^\| setting \| computed", r"^\| (fp8 K/V per tensor|K=6 tail=16 \||seams (8|16)[ ,])",
                r"^chosen"), FRONT_COLUMNS, FRONT_START),
     Benchmark("fidelity_fresh", "Selective recompute on fresh workload cases", "fidelity guard",
-              "kvsplice fidelity --workload-seed 11 --relocating --seams 8,16 --openings 1,2 --budgets 0 "
+              "kvsplice fidelity --workload-seed 11 --relocating --seams 8,16 --openings 1,2 "
               "--front-tails 16 --gen-tokens 4 --out runs/fidelity_fresh",
               "Workload-generator cases of seed 11 (with the built-in cases, the set the default was chosen "
               "on): the 17 of 28 whose edit leaves content to relocate, with a question about the removed "
@@ -135,7 +135,7 @@ BENCHMARKS = (
               (r"^front over", r"^\| setting \| computed", r"^\| (fp8 K/V per tensor|K=6 tail=16 \||seams (8|16)(, openings 1)? \|)",
                r"^chosen"), FRONT_COLUMNS, FRONT_START),
     Benchmark("fidelity_validation", "Selective recompute on validation workload cases", "fidelity guard",
-              "kvsplice fidelity --workload-seed 23 --relocating --seams 8,16 --openings 1 --budgets 0 "
+              "kvsplice fidelity --workload-seed 23 --relocating --seams 8,16 --openings 1 "
               "--front-tails 16 --gen-tokens 4 --no-anchor --out runs/fidelity_validation",
               "Seed 23, a set no setting was chosen on, selected by the same rule (17 of 28 cases). Same "
               "targets.",
@@ -144,7 +144,7 @@ BENCHMARKS = (
               FRONT_COLUMNS, FRONT_START),
     Benchmark("fidelity_seed37", "Selective recompute on a third workload seed, measured after the default was set",
               "fidelity guard",
-              "kvsplice fidelity --workload-seed 37 --relocating --seams 8 --openings 1 --budgets 0 "
+              "kvsplice fidelity --workload-seed 37 --relocating --seams 8 --openings 1 "
               "--front-tails 16 --gen-tokens 4 --out runs/fidelity_seed37",
               "Seed 37, drawn only after the default was chosen (20 of 23 cases): the default, its two parts "
               "alone and the fp8 anchors. Same targets.",

@@ -54,7 +54,7 @@ def main() -> None:
         engine.add_request(prompt(args.context), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    decode_chunks = engine.scheduler.schedule()
+    decode_chunks, _ = engine.scheduler.schedule_decodes()
     engine.add_request(prompt(max(SHARES) + 1), SamplingParams(max_tokens=1, temperature=0.0))
     waiting = engine.scheduler.waiting.popleft()
     assert engine._admit(waiting)

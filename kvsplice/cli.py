@@ -5,7 +5,7 @@
     kvsplice generate [--model M] --prompt TEXT [--max-tokens N] [--temperature T] [--seed S] [--chat]
     kvsplice pull                      fetch and convert the default model
     kvsplice bench | report | workload (see kvsplice/bench/commands.py)
-    kvsplice fidelity (see kvsplice/bench/fidelity.py)
+    kvsplice fidelity (see kvsplice/bench/fidelity_cli.py)
 
 The flags come in vLLM's groups: model, cache, scheduler, suffix cache reuse (SCR), server / frontend.
 Engine flags are built from EngineConfig's fields (ENGINE_FLAGS: type and default from the dataclass);
@@ -387,7 +387,7 @@ def _bench_command(name: str):
     """The `*_main(argv) -> int` of a subcommand that parses its own arguments (imported lazily)."""
     def load():
         if name == "fidelity":
-            from kvsplice.bench.fidelity import fidelity_main
+            from kvsplice.bench.fidelity_cli import fidelity_main
             return fidelity_main
         from kvsplice.bench import commands
         return getattr(commands, f"{name}_main")

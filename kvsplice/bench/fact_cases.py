@@ -30,13 +30,13 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from kvsplice.bench.edit_cases import REPLY_PLACEHOLDER, EditCase
+from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Harness, Setting, compare
 from kvsplice.bench.workload import SYSTEM_PROMPT, load_corpus, take_words
 
 VAULTS = ("north", "harbor", "summit", "river", "garden", "tower", "canyon", "meadow", "island", "forest")
@@ -141,7 +141,7 @@ class FactResult:
     """One question under one setting: whether the top-1 answer token is the current / stale
     value's first token, their probabilities, and KL(exact || setting) at the answer position
     (0 for exact recompute itself) and over the last positions; `computed_share`: the share of
-    the prompt computed (scoring passes in token equivalents; 1 for exact recompute)."""
+    the prompt computed (1 for exact recompute)."""
 
     setting: str
     case: str
@@ -171,13 +171,11 @@ def score(setting: str, fact: FactCase, logits: torch.Tensor, tokenizer, kl_answ
                       float(probs[stale]) if stale is not None else 0.0, kl_answer, kl_mean, computed_share)
 
 
-def run_facts(harness, settings: Sequence, facts: Sequence[FactCase], log=print,
+def run_facts(harness: Harness, settings: Sequence[Setting], facts: Sequence[FactCase], log=print,
               anchor: bool = False) -> list[FactResult]:
-    """Every setting (`kvsplice.bench.fidelity.Setting`) and exact recompute on every question;
+    """Every setting and exact recompute on every question;
     with `anchor`, also the fp8 K/V anchors (`Harness.fp8`: turn 2's exact K/V stored in fp8, a
     full prefill, so computed share 1), after the settings."""
-    from kvsplice.bench.fidelity import compare
-
     results = []
     for fact in facts:
         started, first = time.perf_counter(), len(results)
@@ -230,30 +228,22 @@ def _mean(rows, key: str) -> str:
     return f"{sum(getattr(r, key) for r in rows) / len(rows):.3f}" if rows else "-"
 
 
-def fact_settings(default, seams: Sequence[int] = (), removed_seams: Sequence[int] = (),
-                  policies: Sequence[str] = (), budgets: Sequence[float] = ()) -> list:
+def fact_settings(default, seams: Sequence[int] = (), removed_seams: Sequence[int] = ()) -> list[Setting]:
     """The settings of the fact task: SCR without selective recompute (K=6, tail=16), the server
-    default `default` (a ReuseConfig, its message openings included), K=6, tail=16 with each seam length of `seams`, the
-    default's seams with each longer seam of `removed_seams` after removed text, and the default's
-    seams with each policy of `policies` at each share of `budgets` > 0."""
-    from kvsplice.bench.fidelity import BASE_K, BASE_TAIL, Setting
-
+    default `default` (a ReuseConfig, its message openings included), K=6, tail=16 with each seam
+    length of `seams`, and the default's seams with each longer seam of `removed_seams` after
+    removed text."""
     removed = f", {default.removed_seam_tokens} after removed" if default.removed_seam_tokens else ""
     openings = f", openings {default.message_start_tokens}" if default.message_start_tokens else ""
     return ([Setting(f"K={BASE_K} tail={BASE_TAIL}", BASE_K, BASE_TAIL),
-             Setting(f"default (seams {default.seam_tokens}{removed}{openings}, {default.recompute_policy} "
-                     f"{default.recompute:g})",
-                     default.max_spans, default.tail, recompute=default.recompute, policy=default.recompute_policy,
-                     score_layers=default.score_layers, seam_tokens=default.seam_tokens,
+             Setting(f"default (seams {default.seam_tokens}{removed}{openings})",
+                     default.max_spans, default.tail, seam_tokens=default.seam_tokens,
                      removed_seam_tokens=default.removed_seam_tokens,
                      message_start_tokens=default.message_start_tokens)]
             + [Setting(f"seams {n}", BASE_K, BASE_TAIL, seam_tokens=n) for n in seams]
             + [Setting(f"seams {default.seam_tokens}, {r} after removed", BASE_K, BASE_TAIL,
                        seam_tokens=default.seam_tokens, removed_seam_tokens=r)
-               for r in removed_seams if r > default.seam_tokens]
-            + [Setting(f"{policy} {budget:g}, seams {default.seam_tokens}", BASE_K, BASE_TAIL,
-                       seam_tokens=default.seam_tokens, recompute=budget, policy=policy)
-               for policy in policies for budget in budgets if budget > 0])
+               for r in removed_seams if r > default.seam_tokens])
 
 
 def select_facts(facts: Sequence[FactCase], names: Optional[Sequence[str]]) -> list[FactCase]:
@@ -265,34 +255,3 @@ def select_facts(facts: Sequence[FactCase], names: Optional[Sequence[str]]) -> l
     if unknown:
         raise ValueError(f"unknown question(s) {unknown}; known: {[fact.case.name for fact in facts]}")
     return [fact for fact in facts if fact.case.name in names]
-
-
-def facts_main(args) -> int:
-    """`kvsplice fidelity --task facts`: SCR without selective recompute (K=6, tail=16), with the
-    server default's, with every `--fact-seams` length and with every `--policies` policy at every
-    `--fact-budgets` share (on the default's seams), against exact recompute, on `--max-cases`
-    questions (default: 4 of each kind), or the `--case` ones, and the fp8 K/V anchors unless
-    `--no-anchor`. Writes facts.json and facts.md to --out; returns 0, or 2 for an unknown
-    question name (message on stderr)."""
-    import sys
-
-    from kvsplice.bench.fidelity import Harness
-    from kvsplice.reuse.config import ReuseConfig
-
-    per_kind = max(1, -(-args.max_cases // len(KINDS))) if args.max_cases else 4
-    try:
-        facts = select_facts(fact_cases(per_kind=per_kind)[: args.max_cases or None], args.case)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    settings = fact_settings(ReuseConfig(), args.fact_seams, args.removed_seams, args.policies, args.fact_budgets)
-    harness = Harness(args.model, gen_tokens=1)
-    started = time.perf_counter()
-    results = run_facts(harness, settings, facts, anchor=not args.no_anchor)
-    table = facts_table(results)
-    print(f"{len(facts)} questions ({time.perf_counter() - started:.0f} s):\n{table}")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "facts.md").write_text(table + "\n")
-    (out_dir / "facts.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    return 0

@@ -9,8 +9,8 @@ For each edit case (`kvsplice.bench.edit_cases`) and each SCR setting:
 Metrics over the last 32 prompt positions (always computed: each case ends with a >= 40-token user
 message): KL(exact || SCR) in nats from float64 log_softmax, mean, median and p90, KL at the last
 position (the answer position), and top-1 agreement; over the N generated tokens: the fraction
-equal before the first divergence and an exact-match flag; the relocated / prefilled / recomputed /
-scored token counts of turn 2 and its share of the prompt computed (`kvsplice.bench.fidelity_front`).
+equal before the first divergence and an exact-match flag; the relocated / prefilled / recomputed
+token counts of turn 2 and its share of the prompt computed (`kvsplice.bench.fidelity_front`).
 
 The fp8 anchors (`Harness.fp8`): the exact K/V of turn 2's prompt, stored as float8 e4m3 and read
 back, and the last 32 positions computed against them; their KL against exact is what production
@@ -26,28 +26,22 @@ instead (`kvsplice.bench.fact_cases`).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from kvsplice.bench.edit_cases import (CasesFileError, EditCase, builtin_cases, fill_reply, load_cases,
-                                       leaves_content_to_relocate, workload_cases)
-from kvsplice.bench.fidelity_front import choose_default, front_table, pareto, summarize
+from kvsplice.bench.edit_cases import EditCase, fill_reply
+from kvsplice.bench.fidelity_front import summarize
 from kvsplice.bench.fidelity_metrics import (greedy_prefix_fraction, kl_per_position, percentile,  # noqa: F401
                                              top1_agreement)
 from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.engine.llm import LLM, GenerationResult, build_engine
 from kvsplice.engine.request import Namespace
-from kvsplice.reuse.config import RECOMPUTE_POLICIES, ReuseConfig
-from kvsplice.reuse.recompute import POLICIES
+from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
 LOGIT_POSITIONS = 32
@@ -55,9 +49,7 @@ TURN1_REPLY_TOKENS = 16
 DEFAULT_KS = (0, 1, 2, 4, 6, 8)
 DEFAULT_TAILS = (4, 8, 16, 32)
 BASE_K, BASE_TAIL = 6, 16
-DEFAULT_BUDGETS = (0.02,)
 DEFAULT_SEAMS = (8, 16, 32)
-DEFAULT_POLICIES = ("heads", "deviation")
 DEFAULT_FRONT_TAILS = (16, 4)
 POOL_SLOTS = 8_192  # the reference engine: one prompt of up to ~8K tokens at a time
 ANCHOR_LABEL = "fp8 K/V per tensor (e4m3, scale 1)"
@@ -71,16 +63,14 @@ NO_NAMESPACE = Namespace(None, None)  # the harness's requests carry no owner an
 @dataclass(frozen=True)
 class Setting:
     """One SCR configuration under test. max_spans == 0 means SCR off (plain prefix caching).
-    `seam_tokens`, `removed_seam_tokens`, `message_start_tokens`, `recompute`, `policy`, `score_layers`: selective
-    recompute (always sent, so a server default never leaks into a setting)."""
+    `seam_tokens`, `removed_seam_tokens`, `message_start_tokens`: selective recompute (always sent,
+    so a server default never leaks into a setting). `no_rerotate`: the control experiment
+    (`ReuseConfig.no_rerotate`, no request field: such a setting runs on an engine of its own)."""
 
     label: str
     max_spans: int
     tail: int
     no_rerotate: bool = False
-    recompute: float = 0.0
-    policy: str = "heads"
-    score_layers: int = 1
     seam_tokens: int = 0
     removed_seam_tokens: int = 0
     message_start_tokens: int = 0
@@ -89,17 +79,14 @@ class Setting:
         """The per-request `scr` field for this setting ("off" when K == 0)."""
         if self.max_spans == 0:
             return "off"
-        return {"max_spans": self.max_spans, "tail": self.tail, "no_rerotate": self.no_rerotate,
-                "seam_tokens": self.seam_tokens, "removed_seam_tokens": self.removed_seam_tokens,
-                "message_start_tokens": self.message_start_tokens,
-                "recompute": self.recompute, "recompute_policy": self.policy,
-                "score_layers": self.score_layers}
+        return {"max_spans": self.max_spans, "tail": self.tail, "seam_tokens": self.seam_tokens, "removed_seam_tokens": self.removed_seam_tokens,
+                "message_start_tokens": self.message_start_tokens}
 
 
 @dataclass(frozen=True)
 class CaseResult:
     """Fidelity of one case under one setting (see the module docstring for each metric).
-    `computed_tokens`: prefilled tokens plus the scoring pass in token equivalents."""
+    `computed_tokens`: the prompt tokens computed (prefilled)."""
 
     setting: str
     case: str
@@ -118,7 +105,6 @@ class CaseResult:
     kl_median: float = 0.0
     kl_answer: float = 0.0
     recomputed_tokens: int = 0
-    scored_tokens: int = 0
     computed_tokens: float = 0.0
     prefill_flops: int = 0
     full_flops: int = 1
@@ -133,17 +119,12 @@ def sweep_settings(ks: Sequence[int] = DEFAULT_KS, tails: Sequence[int] = DEFAUL
     return settings
 
 
-def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequence[str] = ("heads",),
-                   score_layers: Sequence[int] = (1,), max_spans: int = BASE_K,
-                   tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = (),
-                   removed_seams: Sequence[int] = (), policy_seams: int = 0,
-                   openings: Sequence[int] = ()) -> list[Setting]:
-    """The budget sweep: SCR off, then per tail SCR without recompute, every seam length > 0 alone
-    and with every longer seam of `removed_seams` after removed text, SCR without seams and every
-    seam length with every count of `openings` (the first content tokens of every message recomputed,
-    labelled ", openings N"), and every policy x budget > 0
-    x score depth (the depth only for the policies with a scoring pass), each on top of `policy_seams` seam
-    tokens (labelled ", seams N" when > 0)."""
+def front_settings(max_spans: int = BASE_K, tails: Sequence[int] = (BASE_TAIL,), seams: Sequence[int] = (),
+                   removed_seams: Sequence[int] = (), openings: Sequence[int] = ()) -> list[Setting]:
+    """The selective-recompute sweep: SCR off, then per tail SCR without recompute, every seam
+    length > 0 alone and with every longer seam of `removed_seams` after removed text, SCR without
+    seams and every seam length with every count of `openings` (the first content tokens of every
+    message recomputed, labelled ", openings N")."""
     settings = [Setting("scr off", 0, tails[0])]
     for tail in tails:
         suffix = f" tail={tail}" if len(tails) > 1 else ""
@@ -156,15 +137,6 @@ def front_settings(budgets: Sequence[float] = DEFAULT_BUDGETS, policies: Sequenc
                                  removed_seam_tokens=r) for r in removed_seams if r > n]
             settings += [Setting(f"seams {n}, openings {m}{suffix}", max_spans, tail, seam_tokens=n,
                                  message_start_tokens=m) for m in openings if m > 0]
-        for policy in policies:
-            depths = score_layers if POLICIES[policy].candidates is not None else (1,)   # a scoring pass
-            for budget in (b for b in budgets if b > 0):
-                for depth in depths:
-                    label = (f"{policy} {budget:g}" + (f" d={depth}" if len(depths) > 1 else "")
-                             + (f", seams {policy_seams}" if policy_seams else "")
-                             + (f" tail={tail}" if len(tails) > 1 else ""))
-                    settings.append(Setting(label, max_spans, tail, recompute=budget, policy=policy,
-                                            score_layers=depth, seam_tokens=policy_seams))
     return settings
 
 
@@ -206,7 +178,9 @@ class Harness:
     Within a case every setting runs under its own session id with per-request `scr` settings.
     Turn 1's prompt is prefilled once and its radix path locked by the harness; after each setting
     `flush_cache` drops every session and every other radix entry, so each setting starts from the
-    state a fresh engine has after prefilling turn 1's prompt (exact K/V either way).
+    state a fresh engine has after prefilling turn 1's prompt (exact K/V either way). The
+    NO_REROTATE control is an engine setting, not a request's: its settings run on a second case
+    engine built with it, prepared the same way.
     """
 
     def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None):
@@ -214,18 +188,19 @@ class Harness:
         self.tokenizer = self.reference.tokenizer
         self.gen_tokens = gen_tokens
         self.base = base or ReuseConfig()
-        self.num_layers = self.reference.model_config.num_layers
         self._exact_cache: dict[tuple[int, ...], GenerationResult] = {}
 
     def _engine(self, config: EngineConfig) -> Engine:
         ref = self.reference
         return Engine(ref.runner.model, ref.model_config, ref.tokenizer, config, name=ref.name)
 
-    def case_engine(self, turn1_tokens: int = 4096) -> Engine:
-        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder, SCR on, with room
-        for turn 1, one session and turn 2 of a case whose turn 1 has `turn1_tokens` tokens."""
+    def case_engine(self, turn1_tokens: int = 4096, no_rerotate: bool = False) -> Engine:
+        """A fresh Engine (own pool, tree, sessions) around the reference's Decoder, SCR on (keys
+        relocated without re-rotation with `no_rerotate`), with room for turn 1, one session and
+        turn 2 of a case whose turn 1 has `turn1_tokens` tokens."""
         slots = 4 * turn1_tokens + 4096
-        return self._engine(EngineConfig(num_slots=slots, reuse=self.base.replace(enabled=True)))
+        reuse = self.base.replace(enabled=True, no_rerotate=no_rerotate)
+        return self._engine(EngineConfig(num_slots=slots, reuse=reuse))
 
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -277,10 +252,7 @@ class Harness:
 
     def result(self, setting: Setting, case: EditCase, turn2_ids: list[int], second: GenerationResult) -> CaseResult:
         """The CaseResult of `second` (turn 2 of `case` under `setting`) against the exact turn 2."""
-        stats = second.reuse
-        depth = min(setting.score_layers, self.num_layers - 1)
-        computed = stats.prefilled_tokens + stats.scored_tokens * depth / self.num_layers
-        return compare(setting.label, case.name, self.exact(turn2_ids), second, computed,
+        return compare(setting.label, case.name, self.exact(turn2_ids), second, second.reuse.prefilled_tokens,
                        self.full_flops(len(turn2_ids)))
 
     def full_flops(self, prompt_len: int) -> int:
@@ -294,19 +266,25 @@ class Harness:
                          prefill_flops=full) for label, out in self.fp8(turn2_ids).items()]
 
     def case_outputs(self, case: EditCase, settings: Sequence[Setting]) -> list[tuple[list[int], GenerationResult]]:
-        """Turn 2's prompt and SCR result under every setting of `case`, on one fresh engine (see
-        the class docstring)."""
+        """Turn 2's prompt and SCR result under every setting of `case`, on one fresh engine per
+        value of `no_rerotate` (see the class docstring)."""
         turn1_ids = turn1_prompt(self.tokenizer, case)
-        engine = self.case_engine(len(turn1_ids))
-        llm = LLM(engine=engine)
-        llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once
-        radix = engine.cache.radix
-        turn1 = radix.match_prefix(turn1_ids, NO_NAMESPACE)
-        radix.lock(turn1.node)
+        llms: dict[bool, LLM] = {}
+        locked = []
         try:
-            return [self.turn2_ids(llm, setting, case) for setting in settings]
+            outputs = []
+            for setting in settings:
+                if setting.no_rerotate not in llms:
+                    llm = llms[setting.no_rerotate] = LLM(engine=self.case_engine(len(turn1_ids), setting.no_rerotate))
+                    llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once
+                    radix = llm.engine.cache.radix
+                    locked.append((radix, radix.match_prefix(turn1_ids, NO_NAMESPACE).node))
+                    radix.lock(locked[-1][1])
+                outputs.append(self.turn2_ids(llms[setting.no_rerotate], setting, case))
+            return outputs
         finally:
-            radix.unlock(turn1.node)
+            for radix, node in locked:
+                radix.unlock(node)
 
     def run_case(self, case: EditCase, settings: Sequence[Setting], anchor: bool = False) -> list[CaseResult]:
         """Every setting on `case` (`case_outputs`) against the exact turn 2; with `anchor`, the fp8
@@ -340,7 +318,7 @@ def compare(label: str, case_name: str, exact: GenerationResult, approx: Generat
         greedy_prefix_frac=greedy_prefix_fraction(exact.token_ids, approx.token_ids),
         greedy_exact=exact.token_ids == approx.token_ids,
         kl_median=statistics.median(kls), kl_answer=per_position[max(per_position)],
-        recomputed_tokens=stats.recomputed, scored_tokens=stats.scored_tokens,
+        recomputed_tokens=stats.recomputed,
         computed_tokens=computed_tokens, prefill_flops=stats.prefill_flops, full_flops=full_flops,
     )
 
@@ -359,72 +337,14 @@ def markdown_table(summaries: Sequence[dict]) -> str:
 
 def case_table(results: Sequence[CaseResult]) -> str:
     """One row per (setting, case)."""
-    lines = ["| setting | case | prompt | prefix | relocated (spans) | prefilled (recomputed) | scored | mean KL | "
-             "p90 KL | answer KL | top-1 | greedy prefix |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | case | prompt | prefix | relocated (spans) | prefilled (recomputed) | mean KL | "
+             "p90 KL | answer KL | top-1 | greedy prefix |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.setting} | {r.case} | {r.prompt_tokens} | {r.prefix_tokens} | "
                      f"{r.relocated_tokens} ({r.relocated_spans}) | {r.prefilled_tokens} ({r.recomputed_tokens}) | "
-                     f"{r.scored_tokens} | {r.kl_mean:.5f} | {r.kl_p90:.5f} | {r.kl_answer:.5f} | "
+                     f"{r.kl_mean:.5f} | {r.kl_p90:.5f} | {r.kl_answer:.5f} | "
                      f"{r.top1_agreement:.3f} | {r.greedy_prefix_frac:.3f} |")
     return "\n".join(lines)
-
-
-def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir: Path,
-                anchor: Optional[dict] = None) -> list[Path]:
-    """PNGs (matplotlib Agg): KL vs K, relocated tokens vs K and KL vs tail when the K / tail
-    sweep ran; KL vs computed share (one line per policy, the fp8 anchor as a line) when the
-    budget sweep ran. Returns the paths written."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    by_label = {s["setting"]: s for s in summaries}
-    plain = [st for st in settings if st.recompute == 0 and not st.no_rerotate]
-    k_rows = [(st.max_spans, by_label[st.label]) for st in plain if st.tail == BASE_TAIL]
-    tail_rows = [(st.tail, by_label[st.label]) for st in plain if st.max_spans == BASE_K]
-    plots = []
-    if len({k for k, _ in k_rows}) > 2:
-        plots += [("kl_vs_k.png", "K (spans relocated)", "mean KL (nats)", k_rows, "kl_mean"),
-                  ("relocated_vs_k.png", "K (spans relocated)", "relocated tokens (all cases)", k_rows,
-                   "relocated_tokens")]
-    if len(tail_rows) > 1:
-        plots.append(("kl_vs_tail.png", f"tail (K={BASE_K})", "mean KL (nats)", tail_rows, "kl_mean"))
-    paths = []
-    for name, xlabel, ylabel, rows, key in plots:
-        rows = sorted(rows, key=lambda row: row[0])
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot([x for x, _ in rows], [s[key] for _, s in rows], marker="o")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=100)
-        plt.close(fig)
-        paths.append(out_dir / name)
-    if any(st.recompute > 0 for st in settings):
-        paths.append(_plot_front(summaries, settings, anchor, out_dir / "front.png", plt))
-    return paths
-
-
-def _plot_front(summaries, settings, anchor, path: Path, plt) -> Path:
-    by_label = {s["setting"]: s for s in summaries}
-    base = [st for st in settings if st.max_spans and st.recompute == 0 and not st.no_rerotate]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in dict.fromkeys(st.policy for st in settings if st.recompute > 0):
-        rows = [by_label[st.label] for st in base[:1]] + [by_label[st.label] for st in settings
-                                                          if st.recompute > 0 and st.policy == policy]
-        rows.sort(key=lambda s: s["computed_share"])
-        ax.plot([100 * s["computed_share"] for s in rows], [s["kl_mean"] for s in rows], marker="o", label=policy)
-    if anchor is not None:
-        ax.axhline(anchor["kl_mean"], color="gray", linestyle="--", label="fp8 K/V")
-    ax.set_xlabel("prompt computed (%)")
-    ax.set_ylabel("mean KL (nats)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def run_sweep(harness: Harness, settings: Sequence[Setting], cases: Sequence[EditCase],
@@ -441,180 +361,3 @@ def run_sweep(harness: Harness, settings: Sequence[Setting], cases: Sequence[Edi
     labels = [s.label for s in settings] + ([label for label, _ in FP8_ANCHORS] if anchor else [])
     summaries = [summarize([r for r in results if r.setting == label]) for label in labels]
     return results, summaries
-
-
-# ----- command line -------------------------------------------------------------------------
-def _number_list(kind):
-    def parse(text: str):
-        try:
-            values = [kind(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-        if not values or min(values) < 0:
-            raise argparse.ArgumentTypeError(f"expected non-negative numbers, got {text!r}")
-        return values
-    return parse
-
-
-def _name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsplice fidelity", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="model path or id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--task", choices=("edits", "facts"), default="edits",
-                        help="edits: KL sweep over edit cases (default); facts: the fact-tracking task")
-    parser.add_argument("--cases", default=None, help="JSONL file of cases {name, turn1, turn2} (default: built-in)")
-    parser.add_argument("--workload-seed", type=int, default=None,
-                        help="use fresh cases from the workload generator with this seed instead")
-    parser.add_argument("--workload-conversations", type=int, default=8, help="conversations to draw cases from")
-    parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated; facts task: question names, "
-                             "e.g. delete_result-0)")
-    parser.add_argument("--relocating", action="store_true",
-                        help="only the cases whose edit leaves content after it to relocate (the others edit "
-                             "the last message before the question and are served by prefix caching alone)")
-    parser.add_argument("--max-cases", type=int, default=None, help="at most this many cases, spread evenly")
-    parser.add_argument("--out", default="fidelity_out", help="directory for results.json, results.md, PNGs")
-    parser.add_argument("--k", type=_number_list(int), default=None,
-                        help="K values to sweep at tail=16 (0 = SCR off), with the NO_REROTATE control")
-    parser.add_argument("--tails", type=_number_list(int), default=None, help="tail values to sweep at K=6")
-    parser.add_argument("--budgets", type=_number_list(float), default=list(DEFAULT_BUDGETS),
-                        help="selective-recompute shares to sweep at K=6, tail=16 (0: none)")
-    parser.add_argument("--seams", type=_number_list(int), default=list(DEFAULT_SEAMS),
-                        help="seam lengths to sweep: tokens recomputed at the start of every relocated span")
-    parser.add_argument("--removed-seams", type=_number_list(int), default=[],
-                        help="with every seam length, also sweep these longer seams for spans that follow "
-                             "removed (deleted or replaced) text")
-    parser.add_argument("--openings", type=_number_list(int), default=[],
-                        help="also sweep SCR without seams and every seam length with this many first content "
-                             "tokens of every message recomputed (--scr-message-start-tokens)")
-    parser.add_argument("--policies", type=_name_list, default=list(DEFAULT_POLICIES),
-                        help=f"recompute policies to sweep ({', '.join(RECOMPUTE_POLICIES)})")
-    parser.add_argument("--policy-seams", type=int, default=0,
-                        help="seam tokens under every policy x budget setting (0: the policy's share alone)")
-    parser.add_argument("--score-layers", type=_number_list(int), default=[1],
-                        help="layers of the scoring pass to sweep (deviation policies)")
-    parser.add_argument("--front-tails", type=_number_list(int), default=list(DEFAULT_FRONT_TAILS),
-                        help="span tails of the budget sweep (K=6)")
-    parser.add_argument("--fact-seams", type=_number_list(int), default=[],
-                        help="facts task: also run K=6, tail=16 with these seam lengths")
-    parser.add_argument("--fact-budgets", type=_number_list(float), default=[],
-                        help="facts task: also run every --policies policy at these shares, on top of the "
-                             "server default's seams")
-    parser.add_argument("--no-anchor", action="store_true", help="skip the fp8 K/V anchors")
-    parser.add_argument("--max-share", type=float, default=0.08,
-                        help="most of the prompt the chosen default may compute")
-    parser.add_argument("--kl-target", type=float, default=DEFAULT_KL_TARGET,
-                        help="mean KL the report checks the chosen setting against (nats)")
-    parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared after turn 2")
-    return parser
-
-
-def select_cases(cases: list[EditCase], names: Optional[list[str]], max_cases: Optional[int]) -> list[EditCase]:
-    """`cases` limited to `names` (ValueError naming unknown ones), then to `max_cases` spread evenly."""
-    if names:
-        known = {case.name for case in cases}
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            raise ValueError(f"unknown case(s) {unknown}; known: {sorted(known)}")
-        cases = [case for case in cases if case.name in names]
-    if max_cases is not None and max_cases < len(cases):
-        step = len(cases) / max_cases
-        cases = [cases[int(i * step)] for i in range(max_cases)]
-    return cases
-
-
-def _check_args(args) -> Optional[str]:
-    if args.gen_tokens < 1 or 0 in (args.tails or []) or 0 in args.front_tails:
-        return "--gen-tokens and every tail must be >= 1"
-    if any(b > 1 for b in args.budgets + args.fact_budgets) or not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
-        return "every budget and --max-share must lie in [0, 1], --kl-target in (0, 10)"
-    bad = [p for p in args.policies if p not in RECOMPUTE_POLICIES]
-    if bad:
-        return f"unknown policy {bad[0]!r}; expected some of {', '.join(RECOMPUTE_POLICIES)}"
-    if any(not 1 <= d <= 8 for d in args.score_layers) or (args.max_cases is not None and args.max_cases < 1):
-        return "--score-layers must lie in [1, 8] and --max-cases be >= 1"
-    if any(not 0 <= n <= 4096 for n in args.seams + args.fact_seams + args.removed_seams + [args.policy_seams]):
-        return "every seam length must lie in [0, 4096]"
-    if any(not 0 <= n <= 64 for n in args.openings):
-        return "every --openings count must lie in [0, 64]"
-    return None
-
-
-def load_edit_cases(args) -> list[EditCase]:
-    """The cases the arguments name; CasesFileError / OSError / ValueError on bad ones."""
-    if args.cases:
-        cases = load_cases(args.cases)
-    elif args.workload_seed is not None:
-        cases = workload_cases(args.workload_seed, conversations=args.workload_conversations)
-    else:
-        cases = builtin_cases()
-    if args.relocating:
-        cases = [case for case in cases if leaves_content_to_relocate(case)]
-    return select_cases(cases, args.case, args.max_cases)
-
-
-def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
-    """`kvsplice fidelity`: run the sweep, print the tables and the front, write results.json /
-    results.md / PNGs to --out. Returns 0, or 2 for a bad cases file or bad arguments (message on
-    stderr)."""
-    args = build_parser().parse_args(argv)
-    problem = _check_args(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    if args.task == "facts":
-        from kvsplice.bench.fact_cases import facts_main
-        return facts_main(args)
-    try:
-        cases = load_edit_cases(args)
-    except (CasesFileError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
-    front = front_settings(args.budgets, args.policies, args.score_layers, tails=args.front_tails, seams=args.seams,
-                           removed_seams=args.removed_seams, policy_seams=args.policy_seams,
-                           openings=args.openings)
-    settings += [st for st in front if st.label not in {s.label for s in settings}]
-    harness = Harness(args.model, gen_tokens=args.gen_tokens)
-    started = time.perf_counter()
-    results, summaries = run_sweep(harness, settings, cases, anchor=not args.no_anchor)
-    anchors = [] if args.no_anchor else summaries[len(settings):]
-    summaries = summaries[: len(settings)]
-    print(report(summaries, anchors, settings, args, len(cases), time.perf_counter() - started))
-    (out_dir / "results.md").write_text(markdown_table(summaries) + "\n\n" + case_table(results) + "\n")
-    (out_dir / "results.json").write_text(json.dumps(
-        {"model": harness.reference.name, "logit_positions": LOGIT_POSITIONS, "gen_tokens": args.gen_tokens,
-         "summaries": summaries, "anchors": anchors, "cases": [asdict(r) for r in results]}, indent=1))
-    for path in write_plots(summaries, settings, out_dir, anchors[0] if anchors else None):
-        print(f"wrote {path}")
-    return 0
-
-
-def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Setting], args,
-           n_cases: int, seconds: float) -> str:
-    """The printed report: the settings table, the front with the anchors, and the chosen setting
-    (the front's knee within --max-share: `choose_default`) checked against the targets."""
-    scr = [s for s, st in zip(summaries, settings) if st.max_spans and not st.no_rerotate]
-    chosen = choose_default(scr, args.max_share)
-    lines = [markdown_table(summaries), "", f"front over {n_cases} cases ({seconds:.0f} s):",
-             front_table(scr, anchors), ""]
-    if chosen is None:
-        lines.append(f"chosen: none of the settings computes at most {args.max_share:.0%} of the prompt")
-    else:
-        meets = (chosen["kl_mean"] <= args.kl_target and chosen["kl_worst"] <= DEFAULT_WORST_TARGET)
-        lines.append(f"chosen (the cheapest front setting within 10% of the lowest mean KL at most "
-                     f"{args.max_share:.0%} computed buys): {chosen['setting']}: "
-                     f"mean KL {chosen['kl_mean']:.5f}, median {chosen['kl_median']:.5f}, "
-                     f"p90 {chosen['kl_case_p90']:.5f}, worst case {chosen['kl_worst']:.4f}, computed "
-                     f"{chosen['computed_share']:.1%}; {'meets' if meets else 'misses'} mean <= {args.kl_target:g} "
-                     f"and worst <= {DEFAULT_WORST_TARGET:g}")
-    lines.append(f"front: {', '.join(s['setting'] for s in scr if s['setting'] in pareto(scr))}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(fidelity_main())

@@ -2,9 +2,8 @@
 
 Input: the per-case results of `kvsplice.bench.fidelity` (CaseResult). Per setting, over its cases:
 
-    computed     (prefilled tokens + scoring-pass token equivalents) / prompt tokens, pooled over
-                 cases; a scoring row through d of L layers counts d / L of a token
-    FLOPs        prefill FLOPs (FlopsModel, scoring included) / FLOPs of computing every prompt
+    computed     prefilled tokens / prompt tokens, pooled over cases
+    FLOPs        prefill FLOPs (FlopsModel) / FLOPs of computing every prompt
                  token, pooled over cases
     mean, median, p90, worst    of the cases' mean KL(exact || setting) over the last positions
     answer       mean over cases of the KL at the prompt's last position (the next token)
@@ -46,7 +45,6 @@ def summarize(results: Sequence) -> dict:
         "relocated_tokens": sum(r.relocated_tokens for r in results),
         "prefilled_tokens": sum(r.prefilled_tokens for r in results),
         "recomputed_tokens": sum(r.recomputed_tokens for r in results),
-        "scored_tokens": sum(r.scored_tokens for r in results),
         "computed_share": sum(r.computed_tokens for r in results) / prompt,
         "flops_share": sum(r.prefill_flops for r in results) / sum(r.full_flops for r in results),
     }

@@ -3,12 +3,17 @@
 Not thread-safe: one thread drives it (`kvsplice.engine.async_engine` for the server, the
 caller's own thread for `LLM.generate`).
 
-    add_request ─> Scheduler.waiting ─admit (prefix match | SCR plan + relocate)─> running
-        step: Scheduler.schedule ─> ModelRunner.run (one forward) ─> _postprocess
-              ─> sample, detokenize, stop checks ─> RequestOutput deltas
-        step with a prefill lane (kvsplice.engine.prefill_lane): take back a finished lane job,
-              schedule_decodes ─> run here; when the lane is idle, schedule_prefill ─> lane
-        finish: CacheManager.release (exact part into the radix tree) ─> session update
+    add_request ─> Scheduler.waiting
+    step:
+      schedule     Scheduler.schedule_decodes (a slot each, preempting when the pool is full)
+                   Scheduler.schedule_prefill (running requests' next chunks)
+                   admission: Scheduler.next_to_admit ─> ReuseManager.admit (prefix match | SCR
+                   plan + relocate, through the CacheManager) ─> Scheduler.start
+      place        StepPlan (kvsplice.engine.step_plan): one forward here, or decodes here and
+                   the prefill chunks as a job on the prefill lane
+      run          ModelRunner.run (one forward; sampling)
+      postprocess  detokenize, stop checks ─> RequestOutput deltas; a finished lane job too
+    finish: ReuseManager.finish ─> CacheManager.release (exact part into the radix tree) ─> session
 
 Failures: an exception while admitting, running or postprocessing a request fails only that
 request (see `_fail`): its traceback is logged, everything it held is freed, and its final
@@ -38,10 +43,11 @@ from kvsplice.engine.request import Namespace, Req, ReqStatus, RequestOutput
 from kvsplice.engine.reuse_manager import ReuseManager
 from kvsplice.engine.runner import ChunkResult, ModelRunner
 from kvsplice.engine.scheduler import Chunk, Scheduler
+from kvsplice.engine.step_plan import BesideLane, OneForward
 from kvsplice.layers.logits_processors import LogitsState
 from kvsplice.layers.sampler import make_generator
 from kvsplice.models.config import ModelConfig
-from kvsplice.reuse.message_starts import MessageStarts
+from kvsplice.message_offsets import MessageStarts
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.structured.grammar import GrammarCache
 from kvsplice.structured.matcher import GrammarState
@@ -109,11 +115,14 @@ class Engine:
         self.failpoints = failpoints
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
                                   failpoints=failpoints, message_starts=MessageStarts(tokenizer))
-        self.scheduler = Scheduler(config, self.cache, self._admit, self._preempt)
+        self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
         self.lane: PrefillLane | None = None
         if 0 < config.prefill_lane_threads < torch.get_num_threads() and self.runner.supports_lane:
             self.lane = PrefillLane(config.prefill_lane_threads, self.runner.run_lane)
+        # where a step's chunks run (kvsplice.engine.step_plan)
+        self.placement = (OneForward(self.scheduler.budget, config.max_batch_tokens) if self.lane is None
+                          else BesideLane(self.lane, config.max_batch_tokens))
         self._lane_outputs: list[RequestOutput] = []   # of a job taken back between steps
         self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
         self.counters = EngineCounters()
@@ -201,32 +210,47 @@ class Engine:
         return self.scheduler.has_work() or bool(self._aborted) or bool(self._lane_outputs)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and return the outputs it produced (failed requests' final
-        outputs included). Raises only for failures outside every request's handling."""
+        """Run one step: schedule (decodes, prefill chunks, admissions), run, postprocess; return
+        the outputs it produced (aborted and failed requests' final outputs included). Raises only
+        for failures outside every request's handling."""
         if self.failpoints is not None:
             self.failpoints.check("step")
         outputs = [self._output(r, (), "", ()) for r in self._aborted]
         self._aborted.clear()
-        outputs += self._lane_outputs
+        outputs += self._lane_outputs + self._take_lane(block=False)   # frees the lane for this step
         self._lane_outputs = []
-        if self.lane is None:
-            # a request whose admission raises is failed there
-            outputs += self._score_and_compute(self.scheduler.schedule())
-        else:
-            outputs += self._step_beside_lane()
+        plan = self.placement.place(*self._schedule())                     # schedule, place
+        if plan.to_lane:
+            self.scheduler.held.update(c.req.rid for c in plan.to_lane)
+            self.lane.start(plan.to_lane)
+        outputs += self._postprocess_all(self._run(plan.here, plan.beside_lane))   # run, postprocess
+        outputs += self._take_lane(block=plan.wait_for_lane)                   # a lane job that is done
         outputs += [self._output(req, (), "", ()) for req in self._take_failed()]
         if not self.scheduler.has_work():
             self.check_integrity()
         return outputs
 
-    def _score_and_compute(self, chunks: list[Chunk]) -> list[RequestOutput]:
-        """The scoring chunks' passes (`_score`), then the other chunks here (`_compute`)."""
-        self._score([c for c in chunks if c.depth is not None])
-        return self._compute([c for c in chunks if c.depth is None])
+    def _schedule(self) -> tuple[list[Chunk], list[Chunk]]:
+        """This step's decode chunks and prefill chunks: every decoding request (given its slot),
+        then, within the placement's prefill budget, running requests' next chunks and the
+        admissions."""
+        decodes, preempted = self.scheduler.schedule_decodes()
+        self.counters.preemptions += preempted
+        budget = self.placement.prefill_budget(len(decodes))
+        prefills = self.scheduler.schedule_prefill(budget)
+        return decodes, prefills + self._admit_waiting(budget - sum(len(c.offsets) for c in prefills))
 
-    def _compute(self, chunks: list[Chunk], beside_lane: bool = False) -> list[RequestOutput]:
-        """Run `chunks` here (`_run`) and postprocess them: the outputs they produced."""
-        return self._postprocess_all(self._run(chunks, beside_lane))
+    def _admit_waiting(self, budget: int) -> list[Chunk]:
+        """Admission: waiting requests, first come first served, each given its slots
+        (`_admit`) and started with a first chunk, while `budget` tokens are left; the first that
+        cannot be admitted now ends it."""
+        chunks: list[Chunk] = []
+        while budget > 0 and (req := self.scheduler.next_to_admit()) is not None:
+            if not self._admit(req):
+                break
+            chunks.append(self.scheduler.start(req, budget))
+            budget -= len(chunks[-1].offsets)
+        return chunks
 
     def _postprocess_all(self, done: list[tuple[Chunk, ChunkResult]]) -> list[RequestOutput]:
         outputs = []
@@ -234,30 +258,6 @@ class Engine:
             if (out := self._postprocess_or_fail(chunk, result)) is not None:
                 outputs.append(out)
         return outputs
-
-    def _step_beside_lane(self) -> list[RequestOutput]:
-        """A step of an engine with a prefill lane (kvsplice.engine.prefill_lane):
-
-            take back the lane's job if it is done
-            decodes:  this thread, alone in their forward (beside the lane's job, if one runs)
-            prefill:  a job for the lane when it is idle and something decodes; with nothing
-                      decoding, here on every thread (or, while the lane works, wait for it)
-        """
-        outputs = self._take_lane(block=False)
-        decodes = self.scheduler.schedule_decodes()
-        if not decodes:
-            if self.lane.busy:
-                return outputs + self._take_lane(block=True)
-            return outputs + self._score_and_compute(self.scheduler.schedule_prefill(self.config.max_batch_tokens))
-        if not self.lane.busy:
-            chunks = self.scheduler.schedule_prefill(self.config.max_batch_tokens - len(decodes))
-            self._score([c for c in chunks if c.depth is not None])
-            job = [c for c in chunks if c.depth is None and c.req.status is ReqStatus.RUNNING]
-            if job:
-                self.scheduler.held.update(c.req.rid for c in job)
-                self.lane.start(job)
-        outputs += self._compute(decodes, beside_lane=self.lane.busy)
-        return outputs + self._take_lane(block=False)
 
     def _take_lane(self, block: bool) -> list[RequestOutput]:
         """Take back the lane's finished job (`block`: wait for it) and postprocess it: the
@@ -278,17 +278,6 @@ class Engine:
                            len(chunks), taken.error)
             done = [pair for chunk in chunks for pair in self._run_batch([chunk])]
         return self._postprocess_all(done)
-
-    def _score(self, chunks: list[Chunk]) -> None:
-        """SCR scoring passes (kvsplice.reuse.recompute), one forward through the first layers per
-        chunk, their K/V handed to the ReuseManager. One that raises fails its request only: it
-        wrote only that request's own slots (relocated and pending offsets)."""
-        for chunk in chunks:
-            try:
-                self.reuse.scored(chunk.req, chunk.offsets, *self.runner.layer_kv(chunk))
-            except Exception as exc:  # noqa: BLE001 -- fails this request only
-                self._fail(chunk.req, exc, "scoring")
-            self.counters.forward_steps += 1
 
     def _run(self, chunks: list[Chunk], beside_lane: bool = False) -> list[tuple[Chunk, ChunkResult]]:
         """The step's forward and sampling, (chunk, result) for the chunks that succeeded.
@@ -328,6 +317,7 @@ class Engine:
         if self.runner.states is not None:
             for chunk in chunks:
                 self.scheduler.preempt(chunk.req)
+                self.counters.preemptions += 1
                 self._solo.add(chunk.req.rid)
             return []
         return [pair for chunk in chunks for pair in self._run_batch([chunk], beside_lane)]
@@ -378,9 +368,9 @@ class Engine:
             return "length"
         return None
 
-    # ----- admission, preemption, finish ------------------------------------------------
+    # ----- admission, finish ----------------------------------------------------------
     def _admit(self, req: Req) -> bool:
-        """The scheduler's admission callback: True once `req` has its slots. An exception fails
+        """Give `req` its slots (`ReuseManager.admit`): True once it has them. An exception fails
         `req` (it leaves the queue) and answers False, which ends this step's admissions."""
         if req.wants_prompt_logprobs and req.prompt_logprobs is None:
             req.prompt_logprobs = [None] * len(req.prompt_ids)
@@ -404,10 +394,6 @@ class Engine:
         c.relocated_tokens += stats.relocated_tokens
         c.prefilled_tokens += stats.prefilled_tokens
         c.relocated_spans += stats.relocated_spans
-
-    def _preempt(self, req: Req) -> None:
-        self.reuse.preempt(req)
-        self.counters.preemptions += 1
 
     def _finish(self, req: Req, reason: str) -> None:
         """`req` ends ("stop", "length", "abort" or "error"): its slots go back (into the radix

@@ -104,7 +104,6 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     seq_slots: torch.Tensor | None = None          # int64 [capacity] once admitted
     pending: list[int] = field(default_factory=list)  # offsets still to compute, increasing
-    scoring: object | None = None                  # SCR selective recompute: a scoring pass to run first
     prefix_len: int = 0
     prefix_node: TreeNode | None = None            # radix node locked by this request
     owned_from: int = 0                            # seq_slots[owned_from:num_slotted] are its own

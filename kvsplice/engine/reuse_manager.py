@@ -24,12 +24,9 @@ exception once slots are taken (allocation, relocation) propagates: the engine f
 and frees what it holds. A request for
 prompt logprobs computes every position (fallback "prompt_logprobs") but still updates its session.
 
-Selective recompute (attention-only models, `ReuseConfig.seam_tokens` / `recompute` > 0; see
-kvsplice.reuse.recompute): after relocation the first tokens of every span and a share of the
-relocated tokens are added to the offsets to compute, chosen at admission, or (the share) by a
-scoring pass the request runs first
-(`Req.scoring`; the engine hands each scoring chunk's K/V to `scored`, and the last one amends the
-plan). Their number is fixed at admission, so the counters are final from there on.
+Selective recompute (attention-only models; see kvsplice.reuse.recompute): after relocation the
+first `seam_tokens` of every span and the message openings inside the edited spans are added to the
+offsets to compute, chosen at admission, so the counters are final from there on.
 
 Hybrid models: full-attention layers relocate as above; linear layers cannot (their state is not
 per token), so they compute the same offsets in order, segment by segment, and before each
@@ -60,16 +57,14 @@ from kvsplice.cache.checkpoint_policy import least_useful, sequence_candidates
 from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
-from kvsplice.layers.attention import store_kv
 from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
 from kvsplice.reuse.diff import diff_tokens
 from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_breakdown, removed_before,
                                  removed_spans)
-from kvsplice.reuse.message_starts import MessageStarts
-from kvsplice.reuse.recompute import (POLICIES, fixed_recompute, kv_deviation, recompute_count,
-                                      scoring_pass)
+from kvsplice.message_offsets import MessageStarts
+from kvsplice.reuse.recompute import in_edited_keeps, seam_offsets
 from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.scr_request import ScrRequest
 from kvsplice.reuse.session import Session, SessionStore
@@ -116,7 +111,7 @@ class ReuseManager:
         field, by a "kvreuse:off" salt, or because the prefix cache is off). Raises ValueError
         for a malformed `scr` field."""
         cfg = parse_request_override(scr, cache_salt, self.config)
-        asked = [key for key in ("recompute", "seam_tokens", "removed_seam_tokens", "message_start_tokens")
+        asked = [key for key in ("seam_tokens", "removed_seam_tokens", "message_start_tokens")
                  if isinstance(scr, dict) and scr.get(key, 0)]
         if asked and self.cache.states is not None:
             raise SettingError(f"scr.{asked[0]}: selective recompute needs a model whose every layer is "
@@ -130,7 +125,6 @@ class ReuseManager:
         """Give `req` its slots (SCR plan + relocation when possible, else prefix caching);
         with `update_stats`, record where its prompt came from. False: no slots now (the request
         keeps waiting; nothing changed except session bookkeeping)."""
-        req.scoring = None   # a preempted request plans (and scores) again
         admitted = self._admit(req, update_stats)
         if admitted and update_stats:
             req.reuse = self._with_flops(req)
@@ -200,9 +194,6 @@ class ReuseManager:
         if start is not None:
             ranges.append((start, pending[-1] + 1))
         spent = self.flops.prefill_flops(prompt_len, ranges)
-        scoring = req.scr.scoring if req.scr is not None else None
-        if scoring is not None:
-            spent += self.flops.scoring_flops(scoring.all_rows, scoring.depth)
         saved = self.flops.prefill_flops(prompt_len, [(0, prompt_len)]) - spent
         return dataclasses.replace(req.reuse, prefill_flops=spent, saved_flops=saved)
 
@@ -267,7 +258,7 @@ class ReuseManager:
         self.cache.install(req, match, fresh)
         self._relocate(req, result.plan, kv.slots(), scr.cfg)
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
-        scr.plan, scr.scoring, scr.count_stats = result.plan, None, update_stats
+        scr.plan = result.plan
         recomputed = self._plan_recompute(req, scr)
         if self.cache.states is not None:
             # the session's own (approximate) states, and the exact checkpoints on its locked radix
@@ -280,53 +271,27 @@ class ReuseManager:
             req.reuse = ReuseStats.from_plan_result(result, prompt_len=len(req.prompt_ids),
                                                     prefix_len=match.length, session="matched")
             if recomputed:
-                scored = len(scr.scoring.all_rows) if scr.scoring is not None else 0
-                req.reuse = req.reuse.with_recompute(recomputed, scored)
+                req.reuse = req.reuse.with_recompute(recomputed)
         return True
 
     # ----- selective recompute ----------------------------------------------------------
     def _plan_recompute(self, req: Req, scr: ScrRequest) -> int:
-        """Selective recompute for `req`'s fresh plan: the seams' first tokens and the message
-        openings now, then the policy's share (chosen now, or by a scoring pass the request runs
-        first: `req.scoring`).
-        Returns how many tokens it recomputes (0 on hybrids)."""
+        """Selective recompute for `req`'s fresh plan: the first `seam_tokens` of every span
+        (`removed_seam_tokens` right after removed text) and the message openings (role, line break
+        and the first `message_start_tokens` content tokens; kvsplice.message_offsets) in the
+        spans from the first edit on (none in a turn that only appends). Returns how many tokens
+        it recomputes (0 on hybrids)."""
         cfg = scr.cfg
         if self.cache.states is not None:
             return 0
-        count = recompute_count(scr.plan, cfg.recompute)   # a share of all relocated tokens
-        seams = fixed_recompute(scr.plan, req.prompt_ids, cfg, self.message_starts)
-        if seams:
-            self._apply_recompute(req, scr, seams)
-        count = min(count, scr.plan.relocated_tokens)
-        depth = min(cfg.score_layers, self.model_config.num_layers - 1)
-        policy = POLICIES[cfg.recompute_policy]
-        if count == 0 or (policy.choose is None and depth < 1):
-            return len(seams)
-        if policy.choose is not None:
-            # a policy may choose fewer than `count` ("overlap": only tokens that match removed text)
-            chosen = policy.choose(scr.plan, count, scr.session.token_ids, req.prompt_ids)
-            self._apply_recompute(req, scr, chosen)
-            return len(seams) + len(chosen)
-        scr.scoring = scoring_pass(scr.plan, req.pending, count, depth, self.model_config.num_layers,
-                                   policy.candidates(scr.plan))
-        req.scoring = scr.scoring
-        return len(seams) + count
-
-    def scored(self, req: Req, offsets: list[int], new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """A scoring chunk of `req` ran over `offsets`; `new_k`/`new_v` are the K/V its checked layer
-        would store. Scores its rows against the relocated K/V, then stores the new ones (exact at
-        that layer, like the layers below it, which the chunk already wrote). After the last chunk
-        the chosen tokens join `req.pending`."""
-        scoring, pool = req.scoring, self.cache.pool
-        slots = req.seq_slots[torch.tensor(offsets, dtype=torch.int64)]
-        old_k, old_v = pool.k_layer(scoring.depth)[slots], pool.v_layer(scoring.depth)[slots]
-        scoring.record(offsets, kv_deviation(new_k, new_v, old_k, old_v))
-        store_kv(new_k, new_v, scoring.depth, slots, pool)
-        if scoring.done:
-            req.scoring = None
-            self._apply_recompute(req, req.scr, scoring.selection())
-            if req.scr.count_stats:
-                req.reuse = self._with_flops(req)   # the chosen offsets' FLOPs, now known
+        offsets = set(seam_offsets(scr.plan, cfg.seam_tokens, cfg.removed_seam_tokens))
+        if cfg.message_start_tokens and self.message_starts is not None:
+            openings = self.message_starts.openings(req.prompt_ids, cfg.message_start_tokens,
+                                                    range(len(req.prompt_ids)))
+            offsets.update(in_edited_keeps(scr.plan, openings))
+        if offsets:
+            self._apply_recompute(req, scr, sorted(offsets))
+        return len(offsets)
 
     @staticmethod
     def _apply_recompute(req: Req, scr: ScrRequest, offsets: list[int]) -> None:
@@ -402,11 +367,6 @@ class ReuseManager:
         return result
 
     # ----- the end of a request ---------------------------------------------------------
-    def preempt(self, req: Req) -> None:
-        """Free everything `req` holds; its session (if any) stays attached and in flight, so
-        re-admission plans again from the same previous sequence."""
-        self.cache.release(req, cache=False)
-
     def finish(self, req: Req, cache: bool) -> None:
         """Return `req`'s slots; with `cache`, its exact K/V enters the radix tree and its SCR
         session (if any; a new one when the match forks) takes over the new sequence's K/V."""

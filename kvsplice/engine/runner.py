@@ -225,13 +225,6 @@ class ModelRunner:
         lps = logprobs_of(logits[[rows[o] for o in offsets]], targets, req.params.prompt_logprobs)
         return dict(zip(offsets, lps))
 
-    @torch.inference_mode()
-    def layer_kv(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """A scoring chunk (`chunk.depth` set) through the reference model's first `depth` layers:
-        the K/V layer `depth` would store for each of its offsets (`Decoder.layer_kv`)."""
-        batch, _ = self.build_batch([chunk])
-        return self.model.layer_kv(batch, self.pool, chunk.depth)
-
 
 def linear_seq(req: Req, offsets: list[int]) -> LinearSeq:
     """The linear layers' view of one chunk: its offsets cut into segments at every gap (the

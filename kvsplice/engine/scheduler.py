@@ -1,25 +1,28 @@
 """Scheduler: continuous batching of prefill chunks and decode steps under a token budget.
 
-Each step it picks, in this order:
+Each step the engine (kvsplice.engine.engine) asks it, in this order:
 
-  1. every running request that is decoding (one token each), giving it a slot for its
-     newest token; when the pool is exhausted it preempts the most recently admitted request
-     (its slots are freed, it goes back to the front of the queue and is recomputed later);
-  2. the next chunk of each running request still in prefill (chunked prefill);
-  3. waiting requests, first come first served, as long as their slots can be had.
+  1. `schedule_decodes`: every running request that is decoding (one token each), given a slot
+     for its newest token; when the pool is exhausted it preempts the most recently admitted
+     request (its slots are freed, it goes back to the front of the queue and is recomputed later);
+  2. `schedule_prefill`: the next chunk of each running request still in prefill (chunked prefill);
+  3. admission, the engine's own phase: while budget is left, `next_to_admit` names the waiting
+     request first in line (first come first served, while fewer than `max_running` run), the
+     engine gives it its slots (kvsplice.engine.reuse_manager) and `start` moves it to the running
+     list with its first chunk.
 
-Steps 2 and 3 share the step's prefill budget: `max_batch_tokens` when nothing decodes, else what
-`StepBudget` (kvsplice.engine.step_budget) measured to fit next to the decodes within the step-time
-budget, at least `min_prefill_tokens`, so that a long prefill goes in chunks that keep the
-decoding requests' pace, and every prefill still progresses every step. With a prefill lane
-(kvsplice.engine.prefill_lane) the engine asks for the two parts separately: `schedule_decodes`
-for its own steps, `schedule_prefill(max_batch_tokens)` for the lane's job, whose requests stay
-`held` until it is done.
+Steps 2 and 3 share the step's prefill budget, which the step's placement decides
+(kvsplice.engine.step_plan): `max_batch_tokens` when nothing decodes, else what `StepBudget`
+(kvsplice.engine.step_budget) measured to fit next to the decodes within the step-time budget, at
+least `min_prefill_tokens`, so that a long prefill goes in chunks that keep the decoding requests'
+pace, and every prefill still progresses every step; with a prefill lane, what is left of
+`max_batch_tokens` for the lane's job, whose requests stay `held` until it is done.
+
+The scheduler never calls a layer above it: it grows and frees slots through the CacheManager it
+owns, and the engine does the admitting.
 
 A request's work in a step is a list of offsets to compute (not necessarily contiguous: under
-SCR the relocated spans sit between them). A request whose SCR plan asked for a scoring pass
-(`Req.scoring`, kvsplice.reuse.recompute) first gets scoring chunks: rows run through the first
-`depth` layers only, charged to the budget at that share of a full token.
+SCR the relocated spans sit between them).
 """
 
 from __future__ import annotations
@@ -36,27 +39,22 @@ from kvsplice.engine.step_budget import StepBudget
 @dataclass(frozen=True)
 class Chunk:
     """Offsets of one request to compute in this step; `samples` when the last of them is the
-    sequence's last token (so the step yields the request's next token). `depth`: a scoring chunk,
-    run through that many layers only (never samples)."""
+    sequence's last token (so the step yields the request's next token)."""
 
     req: Req
     offsets: list[int]
-    depth: int | None = None
 
     @property
     def samples(self) -> bool:
-        return self.depth is None and self.offsets[-1] == self.req.seq_len - 1
+        return self.offsets[-1] == self.req.seq_len - 1
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; asks `admit_fn` to give a request its slots
-    (plain prefix caching, or SCR planning + relocation)."""
+    """Owns the waiting queue and the running list, and the slots running requests grow into."""
 
-    def __init__(self, config: EngineConfig, cache: CacheManager, admit_fn, preempt_fn):
+    def __init__(self, config: EngineConfig, cache: CacheManager):
         self.config = config
         self.cache = cache
-        self.admit_fn = admit_fn
-        self.preempt_fn = preempt_fn
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         # rids whose chunk is being computed elsewhere (the prefill lane): never scheduled nor
@@ -77,74 +75,67 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def schedule(self) -> list[Chunk]:
-        """Choose this step's work (see the module docstring). Side effects: allocates slots,
-        may preempt running requests, moves admitted requests from waiting to running."""
-        chunks = self.schedule_decodes()
-        budget = min(self.budget.prefill_tokens(len(chunks)), self.config.max_batch_tokens - len(chunks))
-        return chunks + self.schedule_prefill(budget)
-
-    def schedule_decodes(self) -> list[Chunk]:
+    def schedule_decodes(self) -> tuple[list[Chunk], int]:
         """One chunk per decoding request not `held`, each given the slot of its newest token
-        (preempting the newest others when the pool is exhausted)."""
+        (preempting the newest others when the pool is exhausted); and how many requests were
+        preempted."""
         chunks: list[Chunk] = []
+        preempted = 0
         for req in [r for r in self.running if r.is_decoding and r.rid not in self.held]:
             if req.status is not ReqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if not self._grow_or_preempt(req, chunks):
-                continue
-            chunks.append(Chunk(req, list(req.pending)))
-        return chunks
+            grown, victims = self._grow_or_preempt(req, chunks)
+            preempted += victims
+            if grown:
+                chunks.append(Chunk(req, list(req.pending)))
+        return chunks, preempted
 
     def schedule_prefill(self, budget: int) -> list[Chunk]:
-        """Prefill chunks of at most `budget` tokens in all: running requests still in prefill
-        first (not `held`), then waiting ones admitted first come first served."""
+        """The next prefill chunks of running requests still in prefill (not `held`), at most
+        `budget` tokens in all."""
         chunks: list[Chunk] = []
         for req in [r for r in self.running if not r.is_decoding and r.rid not in self.held]:
             if budget <= 0:
                 break
-            budget -= self._add_prefill_chunk(req, budget, chunks)
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_running:
-            req = self.waiting[0]
-            if not self.admit_fn(req):
-                break
-            self.waiting.popleft()
-            req.status = ReqStatus.RUNNING
-            self.running.append(req)
-            budget -= self._add_prefill_chunk(req, budget, chunks)
+            chunks.append(Chunk(req, req.pending[:budget]))
+            budget -= len(chunks[-1].offsets)
         return chunks
 
-    @staticmethod
-    def _add_prefill_chunk(req: Req, budget: int, chunks: list[Chunk]) -> int:
-        """Append `req`'s next prefill chunk within `budget` (its scoring pass first, if it has
-        one); return what it costs in full-depth tokens."""
-        scoring = req.scoring
-        if scoring is None:
-            chunks.append(Chunk(req, req.pending[:budget]))
-            return len(chunks[-1].offsets)
-        chunks.append(Chunk(req, scoring.next_rows(budget), depth=scoring.depth))
-        return scoring.cost(len(chunks[-1].offsets))
+    def next_to_admit(self) -> Req | None:
+        """The waiting request first in line, while fewer than `max_running` run; else None."""
+        if self.waiting and len(self.running) < self.config.max_running:
+            return self.waiting[0]
+        return None
 
-    def _grow_or_preempt(self, req: Req, chunks: list[Chunk]) -> bool:
+    def start(self, req: Req, budget: int) -> Chunk:
+        """`req` (`next_to_admit`, now holding its slots) runs from this step: its first prefill
+        chunk, of at most `budget` tokens."""
+        self.waiting.remove(req)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+        return Chunk(req, req.pending[:budget])
+
+    def _grow_or_preempt(self, req: Req, chunks: list[Chunk]) -> tuple[bool, int]:
         """Give `req` its decode slot, preempting the newest other requests not yet scheduled
-        this step; if nothing else can go, `req` itself is preempted (returns False)."""
+        this step; if nothing else can go, `req` itself is preempted. Returns whether `req` got
+        its slot, and how many requests were preempted."""
         scheduled = {id(c.req) for c in chunks}
+        preempted = 0
         while not self.cache.grow(req):
             victims = [r for r in self.running
                        if r is not req and id(r) not in scheduled and r.rid not in self.held]
             victim = victims[-1] if victims else req
-            self._preempt(victim)
+            self.preempt(victim)
+            preempted += 1
             if victim is req:
-                return False
-        return True
+                return False, preempted
+        return True, preempted
 
     def preempt(self, req: Req) -> None:
-        """Send running `req` back to the front of the queue, its slots freed (it is recomputed
-        when admitted again); the engine uses it when a failed forward left its state unknown."""
-        self._preempt(req)
-
-    def _preempt(self, req: Req) -> None:
-        self.preempt_fn(req)
+        """Send running `req` back to the front of the queue, its slots freed (nothing of it is
+        cached; its SCR session stays attached, so re-admission plans again from the same
+        previous sequence). Also what the engine does when a failed forward left its state unknown."""
+        self.cache.release(req, cache=False)
         self.running.remove(req)
         req.status = ReqStatus.WAITING
         req.num_preemptions += 1

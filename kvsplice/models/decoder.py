@@ -219,22 +219,3 @@ class Decoder(nn.Module):
             hidden = layer(hidden, cos, sin, batch, pool, states)
         hidden = self.model.norm(hidden[batch.logit_rows])
         return self.lm_head(hidden).float()
-
-    @torch.inference_mode()
-    def layer_kv(self, batch: ForwardBatch, pool: KVPool, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A forward limited to the first `num_layers` layers (SCR's selective-recompute scoring
-        pass): returns the K (after RoPE) and V `[T, kv_heads, head_dim]` that layer `num_layers`
-        would store for every row of `batch`, without storing them. `batch.logit_rows` is ignored.
-
-        Side effect: layers [0, num_layers) write their K/V at batch.out_slots, as `forward` does.
-        Attention-only models, 1 <= num_layers < num_layers of the model; else ValueError."""
-        if self.cfg.is_hybrid:
-            raise ValueError("layer_kv needs a model whose every layer is attention")
-        if not 1 <= num_layers < self.cfg.num_layers:
-            raise ValueError(f"layer_kv: num_layers must lie in [1, {self.cfg.num_layers - 1}], got {num_layers}")
-        hidden = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        for layer in self.model.layers[:num_layers]:
-            hidden = layer(hidden, cos, sin, batch, pool)
-        checked = self.model.layers[num_layers]
-        return checked.self_attn.project_kv(checked.input_layernorm(hidden), cos, sin)

@@ -7,8 +7,7 @@ Explicit counters replace the SCR overlay's inference from SGLang's double-count
     prefilled_tokens == changed + span_tails + unchosen_spans + uncached_unchanged + recomputed
 
 `recomputed` are relocated tokens that selective recompute computed again in every layer (they
-count as prefilled, not relocated); `scored_tokens` are the rows of its scoring pass, a forward
-through the first layers only, whose FLOPs are part of prefill_flops.
+count as prefilled, not relocated).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ class ReuseStats:
     `relocated_spans` counts the spans whose K/V were copied, recomputed tokens or not.
     `session`: "new" (no earlier session), "matched", or "off" (SCR disabled for the request);
     `fallback`: why no relocation happened (a plan reason, or an engine failure), None if it did
-    or there was nothing to relocate. `recomputed` and `scored_tokens`: see the module docstring."""
+    or there was nothing to relocate. `recomputed`: see the module docstring."""
 
     prefix_tokens: int
     relocated_tokens: int
@@ -47,8 +46,7 @@ class ReuseStats:
     unchosen_spans: int = 0
     uncached_unchanged: int = 0
     recomputed: int = 0
-    scored_tokens: int = 0
-    prefill_flops: int = 0     # FLOPs of the tokens computed for this prompt (FlopsModel), scoring included
+    prefill_flops: int = 0     # FLOPs of the tokens computed for this prompt (FlopsModel)
     saved_flops: int = 0       # FLOPs avoided against computing the whole prompt
 
     @classmethod
@@ -72,20 +70,18 @@ class ReuseStats:
             recomputed=parts.recomputed,
         )
 
-    def with_recompute(self, tokens: int, scored_tokens: int) -> ReuseStats:
-        """These counters after selective recompute moved `tokens` relocated tokens to prefilled,
-        with a scoring pass of `scored_tokens` rows (relocated_spans still counts every span whose
-        K/V were copied)."""
+    def with_recompute(self, tokens: int) -> ReuseStats:
+        """These counters after selective recompute moved `tokens` relocated tokens to prefilled
+        (relocated_spans still counts every span whose K/V were copied)."""
         return dataclasses.replace(
             self, relocated_tokens=self.relocated_tokens - tokens, prefilled_tokens=self.prefilled_tokens + tokens,
-            recomputed=self.recomputed + tokens, scored_tokens=scored_tokens)
+            recomputed=self.recomputed + tokens)
 
     def check(self, prompt_tokens: int) -> None:
         """Raise AccountingError unless every counter is >= 0, prompt_tokens == prefix +
         relocated + prefilled, the breakdown sums to prefilled, and spans exist iff tokens do."""
         counts = (self.prefix_tokens, self.relocated_tokens, self.prefilled_tokens, self.relocated_spans,
-                  self.changed, self.span_tails, self.unchosen_spans, self.uncached_unchanged, self.recomputed,
-                  self.scored_tokens)
+                  self.changed, self.span_tails, self.unchosen_spans, self.uncached_unchanged, self.recomputed)
         if min(counts) < 0:
             raise AccountingError(f"negative reuse counter in {self}")
         if prompt_tokens != self.prefix_tokens + self.relocated_tokens + self.prefilled_tokens:
@@ -118,10 +114,7 @@ class FlopsModel:
         Appendix F, and the SCR harness's kv_cache_flops.py). For hybrid models pass only the
         full-attention layers as attention_layers; linear-attention layers are in the 2N term.
     The lm head (2 * hidden_size * vocab_size) is counted only where logits are taken: in prefill,
-    the prompt's last token. Relocation (copy and re-rotation) is not counted: O(tokens * kv width).
-    A scoring pass (`scoring_flops`) runs a share of the layers: their part of both terms (every
-    layer is taken to hold an equal share of the non-embedding parameters), plus the K and V
-    projections of the layer it checks."""
+    the prompt's last token. Relocation (copy and re-rotation) is not counted: O(tokens * kv width)."""
 
     num_layers: int
     hidden_size: int
@@ -130,7 +123,6 @@ class FlopsModel:
     non_embedding_params: int
     vocab_size: int
     attention_layers: int | None = None  # default: num_layers (no linear-attention layers)
-    num_kv_heads: int | None = None      # default: num_heads (no grouped-query attention)
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.hidden_size, self.num_heads, self.head_dim, self.vocab_size) <= 0:
@@ -169,18 +161,6 @@ class FlopsModel:
         if last_computed:
             total += 2 * self.hidden_size * self.vocab_size
         return total
-
-    def scoring_flops(self, rows: Sequence[int], layers: int) -> int:
-        """FLOPs of a scoring pass over the prompt offsets `rows`: `layers` of the num_layers layers
-        in full (each row attends to every position <= its own), then the K and V projections of
-        the next layer."""
-        if not 0 < layers < self.num_layers:
-            raise ValueError(f"a scoring pass runs 1..{self.num_layers - 1} layers, not {layers}")
-        keys = sum(offset + 1 for offset in rows)
-        linear = 2 * self.non_embedding_params * len(rows) * layers // self.num_layers
-        attention = self._attention_per_key * keys * layers // self.num_layers
-        kv_width = (self.num_kv_heads or self.num_heads) * self.head_dim
-        return linear + attention + len(rows) * 2 * 2 * self.hidden_size * kv_width
 
     def saved_flops(self, prompt_len: int, prefix_len: int, computed_ranges: Sequence[tuple[int, int]]) -> int:
         """FLOPs saved by computing only computed_ranges instead of everything beyond the prefix,

@@ -17,8 +17,6 @@ from kvsplice.cache.checkpoint_policy import DEFAULT_POLICY, CheckpointPolicy
 
 StateMode = Literal["fork", "checkpoint", "none"]
 STATE_MODES: tuple[str, ...] = ("fork", "checkpoint", "none")
-# how selective recompute picks its tokens (kvsplice.reuse.recompute.POLICIES says what each does)
-RECOMPUTE_POLICIES: tuple[str, ...] = ("heads", "deviation", "overlap", "random")
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,9 @@ class ReuseConfig:
     match_ambig_margin: float = 0.15  # a rival keeping almost as much (this share of the prompt): no match
     match_max_postings: int = 8  # a chunk held by more sessions is common content: ignored
     match_max_candidates: int = 4  # sessions verified by a token diff per request
-    no_rerotate: bool = False  # control: relocate keys without the RoPE delta rotation
+    # a control experiment, wrong on purpose: relocate keys without the RoPE delta rotation. Set
+    # only in code (tests, the fidelity harness): no request field, flag or environment variable
+    no_rerotate: bool = False
     fastdiff_min: int = 2048  # chunk-level diff when both sequences are at least this long
     cdc_target: int = 64  # mean chunk size of the content-defined chunking (a power of 2)
     # hybrid (linear-attention) models: the state a linear layer resumes from after a relocated
@@ -51,18 +51,13 @@ class ReuseConfig:
     checkpoint_policy: str = DEFAULT_POLICY
     checkpoint_max_states: int = 64
     # selective recompute (kvsplice.reuse.recompute): tokens computed again in every layer after
-    # relocation: the first `seam_tokens` of every relocated span, and a `recompute` share of the
-    # relocated tokens chosen by `recompute_policy` (the "deviation" policy scores them in a pass
-    # through the first `score_layers` layers); a span that directly follows removed (deleted or
-    # replaced) old text gets a seam of `removed_seam_tokens` instead, when that is longer; and the
-    # role, line break and first `message_start_tokens` content tokens of every message inside a
-    # relocated span from the first edit on (kvsplice.reuse.message_starts)
+    # relocation: the first `seam_tokens` of every relocated span (a span that directly follows
+    # removed, i.e. deleted or replaced, old text gets a seam of `removed_seam_tokens` instead, when
+    # that is longer), and the role, line break and first `message_start_tokens` content tokens of
+    # every message inside a relocated span from the first edit on (kvsplice.message_offsets.MessageStarts)
     seam_tokens: int = 8
     removed_seam_tokens: int = 0
     message_start_tokens: int = 1
-    recompute: float = 0.0
-    recompute_policy: str = "heads"
-    score_layers: int = 1
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
@@ -144,9 +139,6 @@ FIELD_TYPES: dict[str, type] = {
     "seam_tokens": int,
     "removed_seam_tokens": int,
     "message_start_tokens": int,
-    "recompute": float,
-    "recompute_policy": str,
-    "score_layers": int,
 }
 
 # Every setting's range, inclusive. Lower bounds: tail >= 1 keeps the prompt's last token computed.
@@ -156,11 +148,9 @@ FIELD_TYPES: dict[str, type] = {
 # and the rolling hash's bit mask must fit 64 bits); at most 1,024 relocated spans per request;
 # at most 2**20 tracked sessions and 2**32 private session tokens (beyond any pool's memory);
 # at most 2**20 state checkpoints (one is megabytes on a real hybrid); fractions and margins in
-# [0, 1] (they compare token overlaps, which lie in [0, 1]; `recompute` is a share of the relocated
-# tokens). Selective recompute: at most 4,096 seam tokens per span (the error sits in the first
-# few dozen tokens after a seam), at most 64 recomputed tokens at each message's start (one holds
-# the error measured there) and a scoring pass of at most 8 layers (CacheBlend checks at
-# layer 1; deeper, a full recompute of the candidates costs little more).
+# [0, 1] (they compare token overlaps, which lie in [0, 1]). Selective recompute: at most 4,096
+# seam tokens per span (the error sits in the first few dozen tokens after a seam) and at most 64
+# recomputed tokens at each message's start (one holds the error measured there).
 MAX_TOKENS = 1 << 22
 _INT_RANGE = {
     "max_spans": (0, 1024),
@@ -177,7 +167,6 @@ _INT_RANGE = {
     "seam_tokens": (0, 4096),
     "removed_seam_tokens": (0, 4096),
     "message_start_tokens": (0, 64),
-    "score_layers": (1, 8),
 }
 _FLOAT_RANGE = (0.0, 1.0)
 
@@ -207,9 +196,8 @@ def check_field(name: str, value: Any, label: str | None = None) -> None:
             raise SettingError(f"{label}: {exc}", label) from None
         return
     if kind is str:
-        choices = RECOMPUTE_POLICIES if name == "recompute_policy" else STATE_MODES
-        if value not in choices:
-            raise SettingError(f"{label} must be one of {', '.join(choices)}, got {value!r}", label)
+        if value not in STATE_MODES:
+            raise SettingError(f"{label} must be one of {', '.join(STATE_MODES)}, got {value!r}", label)
         return
     if kind is bool:
         if not isinstance(value, bool):
@@ -291,8 +279,6 @@ ENV_TABLE: tuple[EnvVar, ...] = (
            "session matching: content held by more sessions than this is common and ignored"),
     EnvVar("KVREUSE_MATCH_MAX_CANDIDATES", "match_max_candidates", parse_int, "--scr-match-max-candidates",
            "session matching: sessions verified by a token diff per request"),
-    EnvVar("KVREUSE_NO_REROTATE", "no_rerotate", parse_bool, "--scr-no-rerotate",
-           "control experiment: relocate keys without re-rotating RoPE"),
     EnvVar("KVREUSE_FASTDIFF_MIN", "fastdiff_min", parse_int, "--scr-fastdiff-min",
            "use the chunk-level diff when both sequences have at least this many tokens"),
     EnvVar("KVREUSE_CDC_TARGET", "cdc_target", parse_int, "--scr-cdc-target",
@@ -313,13 +299,6 @@ ENV_TABLE: tuple[EnvVar, ...] = (
     EnvVar("KVREUSE_MESSAGE_START_TOKENS", "message_start_tokens", parse_int, "--scr-message-start-tokens",
            "content tokens recomputed, with the role and line break, at the start of every message "
            "inside an edited relocated span (0: none; attention-only models)"),
-    EnvVar("KVREUSE_RECOMPUTE", "recompute", parse_float, "--scr-recompute",
-           "share of relocated tokens recomputed in every layer, chosen by recompute_policy (0: none; "
-           "attention-only models)"),
-    EnvVar("KVREUSE_RECOMPUTE_POLICY", "recompute_policy", parse_str, "--scr-recompute-policy",
-           "which relocated tokens are recomputed: " + ", ".join(RECOMPUTE_POLICIES)),
-    EnvVar("KVREUSE_SCORE_LAYERS", "score_layers", parse_int, "--scr-score-layers",
-           "layers the scoring pass recomputes before comparing K/V (deviation policies)"),
 )
 
 # Variables of the SCR overlay that no longer apply: setting one is an error, never silently ignored.
@@ -329,10 +308,13 @@ RETIRED_ENV: dict[str, str] = {
     for name in ("KVREUSE_MATCH_WINDOW", "KVREUSE_MATCH_MIN_PREFIX_FRAC", "KVREUSE_MATCH_MIN_OVERLAP")
 }
 
+# Control experiments, wrong on purpose: set only in code (tests, the fidelity harness), never by an
+# environment variable, a flag or a request.
+CONTROL_FIELDS = frozenset({"no_rerotate"})
+
 # Settings a single request may override; the rest belong to the whole server (session store).
-REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "no_rerotate", "fastdiff_min", "cdc_target",
-                            "state_mode", "seam_tokens", "removed_seam_tokens", "message_start_tokens", "recompute",
-                            "recompute_policy", "score_layers"})
+REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "fastdiff_min", "cdc_target",
+                            "state_mode", "seam_tokens", "removed_seam_tokens", "message_start_tokens"})
 
 SALT_OFF = "kvreuse:off"
 
@@ -342,7 +324,7 @@ def parse_request_override(scr: str | dict | None, cache_salt: str | None, base:
 
     `scr="off"` or `cache_salt == "kvreuse:off"` (the overlay's salt form) turns SCR off; `scr="on"`
     keeps `base`; a dict of per-request settings (names in REQUEST_FIELDS, e.g. {"max_spans": 2,
-    "tail": 8, "no_rerotate": True}) overrides `base`. Unknown or server-wide keys, bad types and
+    "tail": 8}) overrides `base`. Unknown or server-wide keys, bad types and
     out-of-range values (see _INT_RANGE for the bounds) raise SettingError, a ValueError naming the
     field (the server answers 400). The salt stays the request's cache namespace; that is the
     caller's business.

@@ -9,7 +9,6 @@ from kvsplice.reuse.accounting import SessionKind
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.reuse.diff import EqualRun
 from kvsplice.reuse.plan import SpanPlan
-from kvsplice.reuse.recompute import ScoringPass
 from kvsplice.reuse.session import Session
 
 
@@ -32,5 +31,3 @@ class ScrRequest:
     runs: tuple[EqualRun, ...] | None = None
     runs_of: list[int] | None = None
     fork: bool = False
-    scoring: ScoringPass | None = None   # the selective-recompute scoring pass of this admission
-    count_stats: bool = False            # this admission sets req.reuse

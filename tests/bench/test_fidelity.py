@@ -12,8 +12,8 @@ import torch
 
 from kvsplice.bench.edit_cases import (REPLY_PLACEHOLDER, CasesFileError, EditCase, builtin_cases, fill_reply,
                                        leaves_content_to_relocate, load_cases)
-from kvsplice.bench.fidelity import (Harness, Setting, fidelity_main, greedy_prefix_fraction, kl_per_position,
-                                     percentile, run_sweep)
+from kvsplice.bench.fidelity import Harness, Setting, greedy_prefix_fraction, kl_per_position, percentile, run_sweep
+from kvsplice.bench.fidelity_cli import fidelity_main
 from kvsplice.reuse.config import ReuseConfig
 
 WORDS = ("the tool result lists functions and classes of the module with their arguments and return "
@@ -84,7 +84,7 @@ def test_only_cases_that_keep_turn_1s_last_message_leave_content_to_relocate(tmp
     path = tmp_path / "cases.jsonl"
     path.write_text("".join(json.dumps({"name": c.name, "turn1": list(c.turn1), "turn2": list(c.turn2)}) + "\n"
                             for c in (middle, end, append)))
-    from kvsplice.bench.fidelity import build_parser, load_edit_cases
+    from kvsplice.bench.fidelity_cli import build_parser, load_edit_cases
     args = build_parser().parse_args(["--cases", str(path), "--relocating"])
     assert [c.name for c in load_edit_cases(args)] == ["middle"]
 
@@ -191,13 +191,13 @@ def test_fact_task_end_to_end_on_a_tiny_model(tiny_dir):
     harness = Harness(tiny_dir, gen_tokens=1, base=ReuseConfig(min_span=8))
     facts = fact_cases(per_kind=1)
     facts = [dataclasses.replace(f, case=_shorter(f.case)) for f in facts]
-    settings = [Setting("K=2 tail=4", 2, 4), Setting("heads", 2, 4, recompute=0.2, policy="heads")]
+    settings = [Setting("K=2 tail=4", 2, 4), Setting("seams", 2, 4, seam_tokens=4)]
     results = run_facts(harness, settings, facts, log=lambda _: None)
     assert len(results) == 3 * len(facts)
     assert all(r.kl_answer == 0.0 for r in results if r.setting == "exact")
     assert all(0.0 <= r.p_current <= 1.0 and 0.0 <= r.p_stale <= 1.0 for r in results)
     table = facts_table(results)
-    assert "| exact | all | 5 |" in table and "| heads | delete_result | 1 |" in table
+    assert "| exact | all | 5 |" in table and "| seams | delete_result | 1 |" in table
     # the computed share: all of the prompt for exact recompute, a part of it under SCR
     assert all(r.computed_share == 1.0 for r in results if r.setting == "exact")
     assert all(0.0 < r.computed_share < 1.0 for r in results if r.setting == "K=2 tail=4")
@@ -224,19 +224,15 @@ def test_fact_settings_and_question_selection(capsys):
     """The fact task runs K=6/tail=16, the default and every --fact-seams length; --case picks questions."""
     from kvsplice.bench.fact_cases import fact_cases, fact_settings, select_facts
     settings = fact_settings(ReuseConfig(seam_tokens=16, message_start_tokens=0), [32, 64])
-    assert [s.label for s in settings] == ["K=6 tail=16", "default (seams 16, heads 0)", "seams 32", "seams 64"]
+    assert [s.label for s in settings] == ["K=6 tail=16", "default (seams 16)", "seams 32", "seams 64"]
     assert [s.seam_tokens for s in settings] == [0, 16, 32, 64] and {s.max_spans for s in settings} == {6}
     opened = fact_settings(ReuseConfig(seam_tokens=8, message_start_tokens=2))[1]
-    assert opened.label == "default (seams 8, openings 2, heads 0)"
+    assert opened.label == "default (seams 8, openings 2)"
     assert opened.request_scr()["message_start_tokens"] == 2
     longer = fact_settings(ReuseConfig(seam_tokens=16), [], [128, 8])     # 8 is no longer seam: skipped
     assert [s.label for s in longer][2:] == ["seams 16, 128 after removed"]
     assert (longer[2].seam_tokens, longer[2].removed_seam_tokens) == (16, 128)
     assert longer[2].request_scr()["removed_seam_tokens"] == 128
-    with_policy = fact_settings(ReuseConfig(seam_tokens=16), [], [], ["overlap"], [0, 0.02, 0.05])
-    assert [s.label for s in with_policy][2:] == ["overlap 0.02, seams 16", "overlap 0.05, seams 16"]
-    scr = with_policy[3].request_scr()
-    assert (scr["recompute"], scr["recompute_policy"], scr["seam_tokens"], scr["max_spans"]) == (0.05, "overlap", 16, 6)
     facts = fact_cases(per_kind=2)
     assert [f.case.name for f in select_facts(facts, ["keep-1", "delete_result-0"])] == ["delete_result-0", "keep-1"]
     assert select_facts(facts, None) == facts
@@ -257,34 +253,22 @@ def _shorter(case):
 
 def test_front_settings_pair_every_seam_with_every_longer_removed_seam():
     from kvsplice.bench.fidelity import front_settings
-    settings = front_settings([0.02], ["heads"], seams=[16, 32], removed_seams=[128, 16])
+    settings = front_settings(seams=[16, 32], removed_seams=[128, 16])
     labels = [s.label for s in settings]
     assert labels == ["scr off", "K=6 tail=16", "seams 16", "seams 16, 128 after removed", "seams 32",
-                      "seams 32, 128 after removed", "heads 0.02"]
-    assert [s.removed_seam_tokens for s in settings] == [0, 0, 0, 128, 0, 128, 0]
+                      "seams 32, 128 after removed"]
+    assert [s.removed_seam_tokens for s in settings] == [0, 0, 0, 128, 0, 128]
     assert fidelity_main(["--removed-seams", "5000"]) == 2
-    # --policy-seams: the policies' shares on top of a seam
-    on_seams = front_settings([0.02], ["overlap"], seams=[16], policy_seams=16)
-    assert [(s.label, s.seam_tokens, s.recompute) for s in on_seams][-1] == ("overlap 0.02, seams 16", 16, 0.02)
-    assert fidelity_main(["--policy-seams", "-1"]) == 2
-    assert fidelity_main(["--task", "facts", "--fact-budgets", "1.5"]) == 2
 
 
 def test_front_settings_pair_every_seam_with_every_opening_count():
     from kvsplice.bench.fidelity import front_settings
-    settings = front_settings([0], ["heads"], seams=[8], openings=[1, 0])
+    settings = front_settings(seams=[8], openings=[1, 0])
     assert [(s.label, s.seam_tokens, s.message_start_tokens) for s in settings] == [
         ("scr off", 0, 0), ("K=6 tail=16", 0, 0), ("K=6 tail=16, openings 1", 0, 1), ("seams 8", 8, 0),
         ("seams 8, openings 1", 8, 1)]
     assert settings[-1].request_scr()["message_start_tokens"] == 1
     assert fidelity_main(["--openings", "65"]) == 2
-
-
-def test_front_settings_sweep_the_score_depth_of_every_policy_with_a_scoring_pass_only():
-    from kvsplice.bench.fidelity import front_settings
-    settings = front_settings([0.05], ["heads", "deviation", "random"], score_layers=[4, 8])
-    assert [(s.label, s.score_layers) for s in settings[2:]] == [
-        ("heads 0.05", 1), ("deviation 0.05 d=4", 4), ("deviation 0.05 d=8", 8), ("random 0.05", 1)]
 
 
 def test_front_marks_the_pareto_settings_and_chooses_the_best_within_the_budget():

@@ -81,7 +81,8 @@ def test_long_prompt_is_chunked_by_the_step_budget_while_others_decode(model_dir
     long_rid = engine.add_request(_prompts((300,))[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     shares, done = [], False
     while not done:
-        chunks = engine.scheduler.schedule()
+        decodes, prefills = engine._schedule()
+        chunks = decodes + prefills
         shares.append(sum(len(c.offsets) for c in chunks if not (c.req.is_decoding and len(c.offsets) == 1)))
         results = engine.runner.run(chunks)
         outs = [engine._postprocess(c, r) for c, r in zip(chunks, results)]

@@ -150,13 +150,16 @@ def test_a_failed_lane_job_fails_only_its_culprit(model_dir, two_threads):
 
 
 class _FullPool:
-    """A cache whose pool has no slot to grow into until some request was preempted."""
+    """A cache whose pool has no slot to grow into until some request was preempted (released)."""
 
     def __init__(self, preempted: list[str]):
         self.preempted = preempted
 
     def grow(self, req) -> bool:
         return bool(self.preempted)
+
+    def release(self, req, cache: bool) -> None:
+        self.preempted.append(req.rid)
 
 
 def test_preemption_passes_over_held_requests(model_dir):
@@ -166,11 +169,10 @@ def test_preemption_passes_over_held_requests(model_dir):
     engine.step()
     growing, held = engine.scheduler.running
     preempted: list[str] = []
-    sched = Scheduler(engine.config, _FullPool(preempted), admit_fn=lambda req: True,
-                      preempt_fn=lambda req: preempted.append(req.rid))
+    sched = Scheduler(engine.config, _FullPool(preempted))
     sched.running = [growing, held]
     sched.held.add(held.rid)
-    assert sched._grow_or_preempt(growing, []) is False   # the only candidate left is itself
+    assert sched._grow_or_preempt(growing, []) == (False, 1)   # the only candidate left is itself
     assert preempted == [growing.rid] and sched.running == [held]
 
 

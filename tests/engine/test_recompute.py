@@ -1,6 +1,5 @@
-"""Selective recompute inside the engine, on a tiny random 4-layer model: the scoring pass makes the
-layers it runs exact, the selection follows the true deviation, recomputing everything is a full
-recompute, the counters add up, chunked scoring changes nothing, hybrids refuse it."""
+"""Selective recompute inside the engine, on a tiny random 4-layer model: seams and message openings
+are recomputed, recomputing everything is a full recompute, the counters add up, hybrids refuse it."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import LLM, build_engine
 from kvsplice.engine.request import Namespace
 from kvsplice.reuse.config import ReuseConfig
-from kvsplice.reuse.recompute import kv_deviation, relocated_offsets
 from kvsplice.sampling_params import SamplingParams
 
 BASE = ReuseConfig(match_min_tokens=16, min_span=8, tail=4, max_spans=6, seam_tokens=0)
@@ -47,8 +45,14 @@ def exact_kv(model_dir, prompt):
     return pool.k[:, slots].clone(), pool.v[:, slots].clone(), cold
 
 
+def relocated_offsets(plan) -> list[int]:
+    """Every relocated (not recomputed) new offset of `plan`, increasing."""
+    recomputed = set(plan.recomputed)
+    return [o for keep in plan.keeps for o in range(keep.dst_pos, keep.dst_end) if o not in recomputed]
+
+
 def first_step(llm, session_id="c"):
-    """Turn 1, then admit turn 2 and run one step (admission + scoring pass); returns the request."""
+    """Turn 1, then admit turn 2 and run one step; returns the request."""
     llm.generate([TURN1], GREEDY, session_id=session_id)
     engine = llm.engine
     rid = engine.add_request(TURN2, GREEDY, session_id=session_id, keep_last_logits=8)
@@ -61,48 +65,16 @@ def finish(llm):
         llm.engine.step()
 
 
-def test_scoring_pass_makes_its_layers_exact_and_selects_by_deviation(model_dir):
-    """After the scoring pass (depth 2), the relocated tokens' K/V in layers 0..2 are a cold run's;
-    layer 3 still holds the relocated K/V; the chosen tokens are the top deviations at layer 2."""
-    k_exact, v_exact, _ = exact_kv(model_dir, TURN2)
-    control = make_llm(model_dir)
-    req = first_step(control)
-    relocated = torch.tensor(relocated_offsets(req.scr.plan))
-    pool = control.engine.cache.pool
-    k_old, v_old = pool.k[:, req.seq_slots[relocated]].clone(), pool.v[:, req.seq_slots[relocated]].clone()
-    finish(control)
-
-    llm = make_llm(model_dir, recompute=0.1, recompute_policy="deviation", score_layers=2)
-    req = first_step(llm)
-    assert req.scoring is None and req.scr.scoring.done
-    slots = req.seq_slots[relocated]
-    pool = llm.engine.cache.pool
-    for layer in range(3):
-        torch.testing.assert_close(pool.k[layer, slots], k_exact[layer, relocated], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(pool.v[layer, slots], v_exact[layer, relocated], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(pool.k[3, slots], k_old[3])
-    deviation = kv_deviation(k_exact[2, relocated], v_exact[2, relocated], k_old[2], v_old[2])
-    count = round(0.1 * len(relocated))
-    expected = sorted(relocated[deviation.topk(count).indices].tolist())
-    assert list(req.scr.plan.recomputed) == expected
-    assert set(expected) <= set(req.pending)
-    finish(llm)
-    llm.engine.check_integrity()
-
-
-@pytest.mark.parametrize("policy, seams", [("deviation", 0), ("heads", 0), ("heads", 4096)])
-def test_recomputing_every_relocated_token_is_a_full_recompute(model_dir, policy, seams):
-    """recompute=1 (or seams longer than every span): every token after the prefix is computed in
-    one forward, so the logits are a cold run's and the whole prompt is exact (it enters the
-    radix tree)."""
+def test_recomputing_every_relocated_token_is_a_full_recompute(model_dir):
+    """Seams longer than every span: every token after the prefix is computed in one forward, so
+    the logits are a cold run's and the whole prompt is exact (it enters the radix tree)."""
     _, _, cold = exact_kv(model_dir, TURN2)
-    llm = make_llm(model_dir, recompute=0.0 if seams else 1.0, recompute_policy=policy, seam_tokens=seams)
+    llm = make_llm(model_dir, seam_tokens=4096)
     llm.generate([TURN1], GREEDY, session_id="c")
     out = llm.generate([TURN2], GREEDY, session_id="c", keep_last_logits=8)[0]
     stats = out.reuse
     stats.check(len(TURN2))
     assert stats.relocated_tokens == 0 and stats.recomputed > 0 and stats.relocated_spans > 0
-    assert (stats.scored_tokens > 0) == (policy == "deviation" and not seams)
     for offset, logits in cold.prompt_logits.items():
         torch.testing.assert_close(out.prompt_logits[offset], logits, atol=1e-4, rtol=1e-4)
     assert out.token_ids == cold.token_ids
@@ -114,30 +86,26 @@ def test_counters_move_recomputed_tokens_from_relocated_to_prefilled(model_dir):
     plain = make_llm(model_dir)
     plain.generate([TURN1], GREEDY, session_id="c")
     base = plain.generate([TURN2], GREEDY, session_id="c")[0].reuse
-    llm = make_llm(model_dir, recompute=0.2, recompute_policy="deviation")
+    llm = make_llm(model_dir, seam_tokens=5)
     llm.generate([TURN1], GREEDY, session_id="c")
     stats = llm.generate([TURN2], GREEDY, session_id="c")[0].reuse
     stats.check(len(TURN2))
-    assert stats.recomputed == round(0.2 * base.relocated_tokens)
+    assert stats.recomputed == 5 * base.relocated_spans
     assert stats.relocated_tokens == base.relocated_tokens - stats.recomputed
     assert stats.prefilled_tokens == base.prefilled_tokens + stats.recomputed
     assert stats.relocated_spans == base.relocated_spans
-    assert stats.scored_tokens >= base.relocated_tokens
-    scoring = llm.engine.reuse.flops.scoring_flops(range(len(SYSTEM), len(SYSTEM) + stats.scored_tokens), 1)
-    assert stats.prefill_flops > base.prefill_flops + scoring      # scoring, and the recomputed tokens
+    assert stats.prefill_flops > base.prefill_flops                # the recomputed tokens
     assert llm.engine.counters.relocated_tokens == stats.relocated_tokens
     llm.engine.check_integrity()
 
 
-def test_seams_and_a_share_add_up(model_dir):
-    """seam_tokens recomputes the first tokens of every span; the policy's share comes on top."""
-    llm = make_llm(model_dir, seam_tokens=3, recompute=0.05)
+def test_seams_recompute_the_first_tokens_of_every_span(model_dir):
+    """seam_tokens recomputes the first tokens of every span, and nothing else."""
+    llm = make_llm(model_dir, seam_tokens=3)
     req = first_step(llm)
     plan = req.scr.plan
     heads = {o for keep in plan.keeps for o in range(keep.dst_pos, keep.dst_pos + 3)}
-    relocated = sum(keep.length for keep in plan.keeps)
-    assert heads <= set(plan.recomputed)
-    assert len(plan.recomputed) == len(heads) + round(0.05 * relocated)
+    assert set(plan.recomputed) == heads
     finish(llm)
     req.reuse.check(len(TURN2))
     assert req.reuse.recomputed == len(plan.recomputed)
@@ -159,26 +127,10 @@ def test_longer_seams_after_removed_text_only(model_dir):
     llm.engine.check_integrity()
 
 
-def test_chunked_scoring_chooses_the_same_tokens(model_dir):
-    """A scoring pass cut into chunks by a small step budget chooses what one chunk would."""
-    whole = make_llm(model_dir, recompute=0.1, recompute_policy="deviation")
-    chosen = first_step(whole).scr.plan.recomputed
-    finish(whole)
-    chunked = LLM(engine=build_engine(EngineConfig(model=model_dir, max_batch_tokens=16,
-                                                   reuse=BASE.replace(recompute=0.1, recompute_policy="deviation"))))
-    req = first_step(chunked)
-    assert req.scoring is not None                  # 16 full tokens' worth = 64 rows at 1 of 4 layers
-    finish(chunked)
-    assert req.scr.plan.recomputed == chosen
-    req.reuse.check(len(TURN2))
-    chunked.engine.check_integrity()
-
-
 def test_recompute_setting_is_range_checked(model_dir):
     llm = make_llm(model_dir)
-    for bad in ({"recompute": 1.5}, {"recompute": -0.1}, {"recompute_policy": "best"}, {"score_layers": 9},
-                {"recompute": True}, {"seam_tokens": -1}, {"seam_tokens": 5000}, {"removed_seam_tokens": -1},
-                {"removed_seam_tokens": 4097}, {"removed_seam_tokens": 1.5}):
+    for bad in ({"seam_tokens": -1}, {"seam_tokens": 5000}, {"seam_tokens": True}, {"removed_seam_tokens": -1},
+                {"removed_seam_tokens": 4097}, {"removed_seam_tokens": 1.5}, {"message_start_tokens": 65}):
         with pytest.raises(ValueError):
             llm.generate([TURN1], GREEDY, scr=bad)
 
@@ -201,35 +153,14 @@ def test_hybrids_refuse_a_requested_recompute_and_skip_the_server_default(hybrid
     """Linear-attention layers cannot recompute scattered tokens: a request that asks is refused
     (naming the field); a server-wide setting leaves hybrid requests as they were."""
     llm = LLM(engine=build_engine(EngineConfig(model=hybrid_dir, reuse=BASE.replace(
-        seam_tokens=8, recompute=0.1, checkpoint_policy="every:16"))))
-    for field in ("recompute", "seam_tokens", "removed_seam_tokens"):
+        seam_tokens=8, checkpoint_policy="every:16"))))
+    for field in ("seam_tokens", "removed_seam_tokens", "message_start_tokens"):
         with pytest.raises(ValueError, match=f"scr.{field}"):
-            llm.generate([TURN1], GREEDY, scr={field: 0.1 if field == "recompute" else 4})
+            llm.generate([TURN1], GREEDY, scr={field: 4})
     llm.generate([TURN1], GREEDY, session_id="h")
     out = llm.generate([TURN2], GREEDY, session_id="h")[0]
-    assert out.reuse.relocated_tokens > 0 and out.reuse.recomputed == 0 and out.reuse.scored_tokens == 0
+    assert out.reuse.relocated_tokens > 0 and out.reuse.recomputed == 0
     out.reuse.check(len(TURN2))
-    llm.engine.check_integrity()
-
-
-def test_overlap_recomputes_the_relocated_tokens_that_match_removed_text(model_dir):
-    """TOOL_RESULT is removed in turn 2: with the share at 1, "overlap" recomputes exactly the
-    relocated tokens whose token occurs in removed text before their span (no others, no scoring
-    pass), and the counters say so."""
-    llm = make_llm(model_dir, recompute=1.0, recompute_policy="overlap")
-    req = first_step(llm)
-    plan = req.scr.plan
-    assert plan.removed_spans
-    expected = []
-    for keep in plan.keeps:
-        gone = {TURN1[o] for start, end in plan.removed_spans if end <= keep.src_pos for o in range(start, end)}
-        expected += [o for o in range(keep.dst_pos, keep.dst_end) if TURN2[o] in gone]
-    assert 0 < len(expected) < sum(keep.length for keep in plan.keeps)
-    assert list(plan.recomputed) == expected and req.scr.scoring is None
-    finish(llm)
-    stats = req.reuse
-    stats.check(len(TURN2))
-    assert stats.recomputed == len(expected) and stats.scored_tokens == 0
     llm.engine.check_integrity()
 
 

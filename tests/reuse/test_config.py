@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from kvsplice.reuse.config import (
-    _INT_RANGE, ENV_TABLE, FIELD_TYPES, REQUEST_FIELDS, ReuseConfig, SettingError, check_field, parse_request_override,
+    _INT_RANGE, CONTROL_FIELDS, ENV_TABLE, FIELD_TYPES, REQUEST_FIELDS, ReuseConfig, SettingError, check_field, parse_request_override,
 )
 
 
@@ -18,8 +18,8 @@ def test_defaults_follow_the_overlay_config():
     assert (cfg.fastdiff_min, cfg.cdc_target, cfg.no_rerotate) == (2048, 64, False)
 
 
-def test_env_table_covers_every_field_once_with_unique_names_and_flags():
-    fields = [entry.field for entry in ENV_TABLE]
+def test_env_table_covers_every_field_but_the_controls_once_with_unique_names_and_flags():
+    fields = [entry.field for entry in ENV_TABLE] + sorted(CONTROL_FIELDS)
     assert sorted(fields) == sorted(spec.name for spec in dataclasses.fields(ReuseConfig)) == sorted(FIELD_TYPES)
     assert len({entry.name for entry in ENV_TABLE}) == len(ENV_TABLE)
     assert len({entry.flag for entry in ENV_TABLE}) == len(ENV_TABLE)
@@ -80,9 +80,19 @@ def test_request_override_off_by_scr_or_salt():
 
 
 def test_request_override_dict():
-    cfg = parse_request_override({"max_spans": 2, "tail": 8, "no_rerotate": True}, None, ReuseConfig())
-    assert (cfg.max_spans, cfg.tail, cfg.no_rerotate, cfg.min_span) == (2, 8, True, 64)
+    cfg = parse_request_override({"max_spans": 2, "tail": 8}, None, ReuseConfig())
+    assert (cfg.max_spans, cfg.tail, cfg.min_span) == (2, 8, 64)
     assert REQUEST_FIELDS <= set(FIELD_TYPES)
+
+
+def test_the_no_rerotate_control_is_no_request_field_flag_or_variable():
+    """A control experiment (wrong on purpose) is set only in code, never by a client or the server's
+    command line or environment."""
+    assert CONTROL_FIELDS == {"no_rerotate"} and not CONTROL_FIELDS & REQUEST_FIELDS
+    assert not CONTROL_FIELDS & {entry.field for entry in ENV_TABLE}
+    assert ReuseConfig().replace(no_rerotate=True).no_rerotate is True
+    with pytest.raises(ValueError, match=r"setting\(s\) no_rerotate"):
+        parse_request_override({"no_rerotate": True}, None, ReuseConfig())
 
 
 @pytest.mark.parametrize("scr", [

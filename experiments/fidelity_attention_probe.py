@@ -6,7 +6,7 @@ rows that records the last prompt position's attention (head mean, per layer), t
 tokens it attends to most (mean over the first d layers) recomputed in every layer. Prints the
 answer-position KL(exact || SCR) and the computed share (the scoring forward itself not counted).
 
-    python benchmarks/fidelity_attention_probe.py --out runs/fidelity_attention_probe
+    python experiments/fidelity_attention_probe.py --out runs/fidelity_attention_probe
 """
 import argparse
 import json
@@ -24,9 +24,9 @@ from kvsplice.engine.llm import LLM
 from kvsplice.layers.rotary import apply_rope
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.reuse.diff import common_prefix_len, diff_tokens
-from kvsplice.reuse.message_starts import MessageStarts
+from kvsplice.message_offsets import MessageStarts
 from kvsplice.reuse.plan import SpanPlan, make_plan
-from kvsplice.reuse.recompute import fixed_recompute, relocated_offsets
+from kvsplice.reuse.recompute import in_edited_keeps, seam_offsets
 from kvsplice.reuse.relocate import relocate
 from kvsplice.sampling_params import SamplingParams
 
@@ -116,8 +116,12 @@ class Emulator:
         return Turn2(ids, plan, pool.k[:, old_kv_len:], pool.v[:, old_kv_len:], exact)
 
     def default_recompute(self, turn: Turn2) -> list[int]:
-        """What the engine's default setting recomputes: seams and message openings."""
-        return fixed_recompute(turn.plan, turn.ids, self.cfg, self.message_starts)
+        """What the engine's default setting recomputes (as ReuseManager._plan_recompute chooses
+        them): seams and the message openings in the spans from the first edit on."""
+        cfg = self.cfg
+        offsets = set(seam_offsets(turn.plan, cfg.seam_tokens, cfg.removed_seam_tokens))
+        openings = self.message_starts.openings(turn.ids, cfg.message_start_tokens, range(len(turn.ids)))
+        return sorted(offsets | set(in_edited_keeps(turn.plan, openings)))
 
     @staticmethod
     def rows(turn: Turn2, recompute) -> list[int]:
@@ -142,7 +146,9 @@ def probe(emulator: Emulator, case) -> dict[str, tuple[float, float, float]]:
     row = {"base": emulator.run(turn, []), "default": emulator.run(turn, default)}
     _, _, _, attention = emulator.forward(turn.ids, emulator.rows(turn, default), turn.k, turn.v, collect=1)
     answer_attention = torch.stack([layer[-1] for layer in attention])   # [layers, positions]
-    relocated = torch.tensor(relocated_offsets(turn.plan.with_recomputed(default)))
+    amended = turn.plan.with_recomputed(default)
+    relocated = torch.tensor([o for keep in amended.keeps for o in range(keep.dst_pos, keep.dst_end)
+                              if o not in set(amended.recomputed)])
     for depth in DEPTHS:
         score = answer_attention[:depth, relocated].mean(0)
         for share in SHARES:

@@ -9,7 +9,7 @@ default's fixed seams. The plan is the engine's (`diff_tokens`, `make_plan`, `se
 turn 1's reply is a fixed sentence instead of the model's 16 greedy tokens, so the prompts are
 within a few tokens of the fidelity runs'.
 
-    python benchmarks/fidelity_removed_share.py
+    python experiments/fidelity_removed_share.py
 """
 import argparse
 import statistics

@@ -1,0 +1,268 @@
+"""`kvsplice fidelity`: the command around the fidelity harness (kvsplice.bench.fidelity) and the
+fact-tracking task (kvsplice.bench.fact_cases): arguments, case selection, the printed report and
+the files it writes (results.json, results.md, PNGs; facts.json, facts.md).
+
+Imports run one way: this module -> fact_cases -> fidelity (the harness), never back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kvsplice.bench.edit_cases import (CasesFileError, EditCase, builtin_cases, leaves_content_to_relocate,
+                                       load_cases, workload_cases)
+from kvsplice.bench.fact_cases import KINDS, fact_cases, fact_settings, facts_table, run_facts, select_facts
+from kvsplice.bench.fidelity import (BASE_K, BASE_TAIL, DEFAULT_FRONT_TAILS, DEFAULT_KL_TARGET, DEFAULT_SEAMS,
+                                     DEFAULT_WORST_TARGET, LOGIT_POSITIONS, Harness, Setting, case_table,
+                                     front_settings, markdown_table, run_sweep, sweep_settings)
+from kvsplice.bench.fidelity_front import choose_default, front_table, pareto
+from kvsplice.reuse.config import ReuseConfig
+
+
+def write_plots(summaries: Sequence[dict], settings: Sequence[Setting], out_dir: Path,
+                anchor: Optional[dict] = None) -> list[Path]:
+    """PNGs (matplotlib Agg): KL vs K, relocated tokens vs K and KL vs tail when the K / tail
+    sweep ran; KL vs computed share (one point per SCR setting, the fp8 anchor as a line) when
+    the selective-recompute sweep ran. Returns the paths written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_label = {s["setting"]: s for s in summaries}
+    plain = [st for st in settings if not st.no_rerotate]
+    k_rows = [(st.max_spans, by_label[st.label]) for st in plain if st.tail == BASE_TAIL]
+    tail_rows = [(st.tail, by_label[st.label]) for st in plain if st.max_spans == BASE_K]
+    plots = []
+    if len({k for k, _ in k_rows}) > 2:
+        plots += [("kl_vs_k.png", "K (spans relocated)", "mean KL (nats)", k_rows, "kl_mean"),
+                  ("relocated_vs_k.png", "K (spans relocated)", "relocated tokens (all cases)", k_rows,
+                   "relocated_tokens")]
+    if len(tail_rows) > 1:
+        plots.append(("kl_vs_tail.png", f"tail (K={BASE_K})", "mean KL (nats)", tail_rows, "kl_mean"))
+    paths = []
+    for name, xlabel, ylabel, rows, key in plots:
+        rows = sorted(rows, key=lambda row: row[0])
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([x for x, _ in rows], [s[key] for _, s in rows], marker="o")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    if any(st.seam_tokens or st.message_start_tokens for st in settings):
+        paths.append(_plot_front(summaries, settings, anchor, out_dir / "front.png", plt))
+    return paths
+
+
+def _plot_front(summaries, settings, anchor, path: Path, plt) -> Path:
+    by_label = {s["setting"]: s for s in summaries}
+    rows = [by_label[st.label] for st in settings if st.max_spans and not st.no_rerotate]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([100 * s["computed_share"] for s in rows], [s["kl_mean"] for s in rows], "o", label="SCR settings")
+    for s in rows:
+        ax.annotate(s["setting"], (100 * s["computed_share"], s["kl_mean"]), fontsize=6)
+    if anchor is not None:
+        ax.axhline(anchor["kl_mean"], color="gray", linestyle="--", label="fp8 K/V")
+    ax.set_xlabel("prompt computed (%)")
+    ax.set_ylabel("mean KL (nats)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _number_list(kind):
+    def parse(text: str):
+        try:
+            values = [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        if not values or min(values) < 0:
+            raise argparse.ArgumentTypeError(f"expected non-negative numbers, got {text!r}")
+        return values
+    return parse
+
+
+def _name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsplice fidelity", description="SCR fidelity: how far Suffix Cache Reuse moves the model's outputs "
+                                              "from a full recompute")
+    parser.add_argument("--model", default=None, help="model path or id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--task", choices=("edits", "facts"), default="edits",
+                        help="edits: KL sweep over edit cases (default); facts: the fact-tracking task")
+    parser.add_argument("--cases", default=None, help="JSONL file of cases {name, turn1, turn2} (default: built-in)")
+    parser.add_argument("--workload-seed", type=int, default=None,
+                        help="use fresh cases from the workload generator with this seed instead")
+    parser.add_argument("--workload-conversations", type=int, default=8, help="conversations to draw cases from")
+    parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated; facts task: question names, "
+                             "e.g. delete_result-0)")
+    parser.add_argument("--relocating", action="store_true",
+                        help="only the cases whose edit leaves content after it to relocate (the others edit "
+                             "the last message before the question and are served by prefix caching alone)")
+    parser.add_argument("--max-cases", type=int, default=None, help="at most this many cases, spread evenly")
+    parser.add_argument("--out", default="fidelity_out", help="directory for results.json, results.md, PNGs")
+    parser.add_argument("--k", type=_number_list(int), default=None,
+                        help="K values to sweep at tail=16 (0 = SCR off), with the NO_REROTATE control")
+    parser.add_argument("--tails", type=_number_list(int), default=None, help="tail values to sweep at K=6")
+    parser.add_argument("--seams", type=_number_list(int), default=list(DEFAULT_SEAMS),
+                        help="seam lengths to sweep: tokens recomputed at the start of every relocated span")
+    parser.add_argument("--removed-seams", type=_number_list(int), default=[],
+                        help="with every seam length, also sweep these longer seams for spans that follow "
+                             "removed (deleted or replaced) text")
+    parser.add_argument("--openings", type=_number_list(int), default=[],
+                        help="also sweep SCR without seams and every seam length with this many first content "
+                             "tokens of every message recomputed (--scr-message-start-tokens)")
+    parser.add_argument("--front-tails", type=_number_list(int), default=list(DEFAULT_FRONT_TAILS),
+                        help="span tails of the selective-recompute sweep (K=6)")
+    parser.add_argument("--fact-seams", type=_number_list(int), default=[],
+                        help="facts task: also run K=6, tail=16 with these seam lengths")
+    parser.add_argument("--no-anchor", action="store_true", help="skip the fp8 K/V anchors")
+    parser.add_argument("--max-share", type=float, default=0.08,
+                        help="most of the prompt the chosen default may compute")
+    parser.add_argument("--kl-target", type=float, default=DEFAULT_KL_TARGET,
+                        help="mean KL the report checks the chosen setting against (nats)")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared after turn 2")
+    return parser
+
+
+def select_cases(cases: list[EditCase], names: Optional[list[str]], max_cases: Optional[int]) -> list[EditCase]:
+    """`cases` limited to `names` (ValueError naming unknown ones), then to `max_cases` spread evenly."""
+    if names:
+        known = {case.name for case in cases}
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValueError(f"unknown case(s) {unknown}; known: {sorted(known)}")
+        cases = [case for case in cases if case.name in names]
+    if max_cases is not None and max_cases < len(cases):
+        step = len(cases) / max_cases
+        cases = [cases[int(i * step)] for i in range(max_cases)]
+    return cases
+
+
+def _check_args(args) -> Optional[str]:
+    if args.gen_tokens < 1 or 0 in (args.tails or []) or 0 in args.front_tails:
+        return "--gen-tokens and every tail must be >= 1"
+    if not 0 < args.max_share <= 1 or not 0 < args.kl_target < 10:
+        return "--max-share must lie in (0, 1], --kl-target in (0, 10)"
+    if args.max_cases is not None and args.max_cases < 1:
+        return "--max-cases must be >= 1"
+    if any(not 0 <= n <= 4096 for n in args.seams + args.fact_seams + args.removed_seams):
+        return "every seam length must lie in [0, 4096]"
+    if any(not 0 <= n <= 64 for n in args.openings):
+        return "every --openings count must lie in [0, 64]"
+    return None
+
+
+def load_edit_cases(args) -> list[EditCase]:
+    """The cases the arguments name; CasesFileError / OSError / ValueError on bad ones."""
+    if args.cases:
+        cases = load_cases(args.cases)
+    elif args.workload_seed is not None:
+        cases = workload_cases(args.workload_seed, conversations=args.workload_conversations)
+    else:
+        cases = builtin_cases()
+    if args.relocating:
+        cases = [case for case in cases if leaves_content_to_relocate(case)]
+    return select_cases(cases, args.case, args.max_cases)
+
+
+def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
+    """`kvsplice fidelity`: run the sweep, print the tables and the front, write results.json /
+    results.md / PNGs to --out. Returns 0, or 2 for a bad cases file or bad arguments (message on
+    stderr)."""
+    args = build_parser().parse_args(argv)
+    problem = _check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if args.task == "facts":
+        return facts_main(args)
+    try:
+        cases = load_edit_cases(args)
+    except (CasesFileError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
+    front = front_settings(tails=args.front_tails, seams=args.seams, removed_seams=args.removed_seams,
+                           openings=args.openings)
+    settings += [st for st in front if st.label not in {s.label for s in settings}]
+    harness = Harness(args.model, gen_tokens=args.gen_tokens)
+    started = time.perf_counter()
+    results, summaries = run_sweep(harness, settings, cases, anchor=not args.no_anchor)
+    anchors = [] if args.no_anchor else summaries[len(settings):]
+    summaries = summaries[: len(settings)]
+    print(report(summaries, anchors, settings, args, len(cases), time.perf_counter() - started))
+    (out_dir / "results.md").write_text(markdown_table(summaries) + "\n\n" + case_table(results) + "\n")
+    (out_dir / "results.json").write_text(json.dumps(
+        {"model": harness.reference.name, "logit_positions": LOGIT_POSITIONS, "gen_tokens": args.gen_tokens,
+         "summaries": summaries, "anchors": anchors, "cases": [asdict(r) for r in results]}, indent=1))
+    for path in write_plots(summaries, settings, out_dir, anchors[0] if anchors else None):
+        print(f"wrote {path}")
+    return 0
+
+
+def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Setting], args,
+           n_cases: int, seconds: float) -> str:
+    """The printed report: the settings table, the front with the anchors, and the chosen setting
+    (the front's knee within --max-share: `choose_default`) checked against the targets."""
+    scr = [s for s, st in zip(summaries, settings) if st.max_spans and not st.no_rerotate]
+    chosen = choose_default(scr, args.max_share)
+    lines = [markdown_table(summaries), "", f"front over {n_cases} cases ({seconds:.0f} s):",
+             front_table(scr, anchors), ""]
+    if chosen is None:
+        lines.append(f"chosen: none of the settings computes at most {args.max_share:.0%} of the prompt")
+    else:
+        meets = (chosen["kl_mean"] <= args.kl_target and chosen["kl_worst"] <= DEFAULT_WORST_TARGET)
+        lines.append(f"chosen (the cheapest front setting within 10% of the lowest mean KL at most "
+                     f"{args.max_share:.0%} computed buys): {chosen['setting']}: "
+                     f"mean KL {chosen['kl_mean']:.5f}, median {chosen['kl_median']:.5f}, "
+                     f"p90 {chosen['kl_case_p90']:.5f}, worst case {chosen['kl_worst']:.4f}, computed "
+                     f"{chosen['computed_share']:.1%}; {'meets' if meets else 'misses'} mean <= {args.kl_target:g} "
+                     f"and worst <= {DEFAULT_WORST_TARGET:g}")
+    lines.append(f"front: {', '.join(s['setting'] for s in scr if s['setting'] in pareto(scr))}")
+    return "\n".join(lines)
+
+
+def facts_main(args) -> int:
+    """`kvsplice fidelity --task facts`: SCR without selective recompute (K=6, tail=16), with the
+    server default's and with every `--fact-seams` length, against exact recompute, on `--max-cases`
+    questions (default: 4 of each kind), or the `--case` ones, and the fp8 K/V anchors unless
+    `--no-anchor`. Writes facts.json and facts.md to --out; returns 0, or 2 for an unknown
+    question name (message on stderr)."""
+    per_kind = max(1, -(-args.max_cases // len(KINDS))) if args.max_cases else 4
+    try:
+        facts = select_facts(fact_cases(per_kind=per_kind)[: args.max_cases or None], args.case)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = fact_settings(ReuseConfig(), args.fact_seams, args.removed_seams)
+    harness = Harness(args.model, gen_tokens=1)
+    started = time.perf_counter()
+    results = run_facts(harness, settings, facts, anchor=not args.no_anchor)
+    table = facts_table(results)
+    print(f"{len(facts)} questions ({time.perf_counter() - started:.0f} s):\n{table}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "facts.md").write_text(table + "\n")
+    (out_dir / "facts.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(fidelity_main())
