@@ -1,25 +1,31 @@
-"""`GGUFLinear`: y = x W^T (+ b) with W kept in its GGUF block format's integers, never expanded whole.
+"""`GGUFLinear`: y = x W^T (+ b) with W kept in its GGUF block format, never expanded whole.
 
-    layout  formats               held as                                   fast path
-    int4    Q4_0, Q4_1, Q4_K      values 0..15 packed for the int4 kernel,  aten._weight_int4pack_mm_for_cpu
-                                  per group of 32 an fp32 scale and zero    (x rounded to fp32, up to
-                                  (w = (v - 8) s + z); the same values as   `small_batch_rows` rows); else
-                                  nibbles [N, K / 2] for the row blocks     row blocks (below)
-    int8    Q5_0, Q5_K, Q6_K,     values int8 [N, K], per group of 32       row blocks
-            Q8_0                  (Q6_K: 16) an fp32 scale (and offset)
+It holds the tensor's own GGUF bytes (the exact form, 4.5 to 8.5 bits a weight) and, for the formats
+with groups of 32 (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0), the same weight as int4 planes for
+aten._weight_int4pack_mm_for_cpu, which computes sum over k of x (v - 8) s + z, v in 0..15 per
+weight and a scale s and zero z per group of 32:
 
-Row blocks: a few hundred output rows at a time are dequantized to fp32 (a buffer of about
-`BLOCK_ELEMENTS` values, kept in cache) and multiplied, so no dense copy of the whole weight ever
-exists. The row blocks compute gguf-py's own weights (the same fp32 products, bit for bit). The int4
-kernel computes (v - 8) s + z with z = fl((lo + 8) s + offset) (lo: the format's smallest value), one
-more rounding: exact for Q4_0 (z = 0), within one fp32 ulp of |z| per weight for Q4_1 and Q4_K (the
-tests state it). `reference` multiplies with the whole dequantized weight in one matmul, the pure-torch path beside
-the fast ones.
+    w = s value + o,  u = value - lo (lo: the format's smallest value; u has 4, 5 or 8 bits)
+      = sum over planes p of ((u >> 4p) & 15 - 8) s 16^p + z_p,
+        z_0 = (lo + 8) s + o,  z_p = 8 s 16^p above
 
-Memory per weight: int8 layout 1 byte + 4 (Q5_K: 8) bytes per group; int4 layout 1 byte (the kernel's
-packing and the nibbles) + 12 (Q4_1, Q4_K: 16, the offsets) bytes per group of 32 (the kernel's scale
-and zero, and the row blocks' own scale); against 2 bytes for a
-bf16 copy, 4 for fp32.
+One plane for the 4-bit formats, two for Q5_0 / Q5_K (the second holds the fifth bit) and Q8_0.
+The kernel is fast only with bf16 activations and bf16 scales (its fp32 path is ~30x slower on
+AVX-512 CPUs), so the planes hold bf16 `s 16^p` and `z_p` by default: each weight is then off by
+at most 2^-7 (8 |s_p| + |z_p|) summed over its planes, the bf16 roundings (unit roundoff 2^-8) of
+its scale, zero and output (the tests check the bound); with `kernel_dtype=torch.float32` only the fp32 roundings of z_0 and of the kernel remain.
+Above `small_batch_rows` rows (the kernel dequantizes per row), for Q6_K (groups of 16, which the
+kernel does not take) and without planes (`kernel_dtype=None`), the product runs in row blocks
+from the decoded blocks (`gguf_blocks.GroupedWeight`: int8 values, fp32 scales and offsets): a few
+hundred output rows at a time are dequantized to fp32 (a buffer of about `BLOCK_ELEMENTS` values)
+and multiplied, so those are gguf-py's own weights, bit for bit, and no dense copy of the whole
+weight ever exists. `reference` multiplies with the whole dequantized weight in one matmul, the
+pure-torch path beside the fast ones.
+
+Memory per weight: the decoded blocks 1 byte + 4 (Q4_1, Q4_K, Q5_K: 8) bytes per group, plus the
+planes' 0.5 byte and 4 bytes per group of 32 each; against 2 bytes for a bf16 copy, 4 for fp32.
+Without planes that is 1.13 to 1.25 bytes; with them 1.8 (Q4_*) or 2.4 (Q5_*, Q8_0): the price of
+the fast small batches, as PackedLinear pays for its dense copy.
 """
 
 from __future__ import annotations
@@ -28,104 +34,98 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.nn import functional as F
 
-from kvsplice.layers.gguf_blocks import GroupedWeight, decode_blocks
+from kvsplice.layers.gguf_blocks import GroupedWeight, block_format, decode_blocks, dequantize_grouped
 
 INT4_KERNEL_GROUP = 32
-# Rows <= this go through the int4 kernel: it dequantizes per row, so many rows are faster in blocks.
-INT4_SMALL_BATCH_ROWS = 8
+# Rows <= this go through the int4 planes: the kernel dequantizes per row, so many rows are faster
+# in row blocks (decoded once for all rows).
+SMALL_BATCH_ROWS = 16
 BLOCK_ELEMENTS = 1 << 18     # one row block's fp32 buffer: 1 MiB, within a core's L2
+_VALUE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_K": 5, "Q8_0": 8}
 
 
 @dataclass(frozen=True)
-class Int4Kernel:
-    """The int4 kernel's operands: `packed` (aten._convert_weight_to_int4pack_for_cpu of v, 0..15) and
-    `scales_zeros` fp32 [K / 32, N, 2] (scale, zero per group)."""
+class Int4Plane:
+    """One plane's kernel operands: `packed` (aten._convert_weight_to_int4pack_for_cpu of its 4-bit
+    values) and `scales_zeros` [K / 32, N, 2] (scale, zero per group) in the kernel dtype."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
 
 
 class GGUFLinear:
-    """y = x W^T (+ b) for W a GGUF block-format weight; callable on x [M, K] -> [M, N] in x.dtype
-    (computed in fp32). `grouped`: the weight's GroupedWeight, except that int4 layouts keep their
-    values as `nibbles` instead (values - lo, two per byte: column 2j low, 2j + 1 high) and drop
-    `grouped.values` (None). Build with `GGUFLinear.from_blocks` or `from_reader_tensor`."""
+    """y = x W^T (+ b) for W a GGUF block-format weight; callable on x [M, K] -> [M, N] in x.dtype.
+    `grouped`: the decoded blocks (int8 values, fp32 scales and offsets); `planes`: the int4 planes
+    (empty where the format has none or they were not asked for). Build with
+    `GGUFLinear.from_blocks` or `from_reader_tensor`."""
 
-    def __init__(self, grouped: GroupedWeight, bias: Optional[torch.Tensor],
-                 nibbles: Optional[torch.Tensor], kernel: Optional[Int4Kernel], small_batch_rows: int):
+    def __init__(self, grouped: GroupedWeight, bias: Optional[torch.Tensor], planes: tuple[Int4Plane, ...],
+                 small_batch_rows: int):
         self.grouped, self.bias = grouped, bias
-        self.nibbles, self.kernel, self.small_batch_rows = nibbles, kernel, small_batch_rows
-        self.out_features, self.in_features = grouped.scales.shape[0], self._in_features()
-
-    def _in_features(self) -> int:
-        if self.nibbles is not None:
-            return self.nibbles.shape[1] * 2
-        return self.grouped.values.shape[1]
+        self.planes, self.small_batch_rows = planes, small_batch_rows
+        self.out_features, self.in_features = grouped.shape
 
     @staticmethod
-    def from_blocks(raw: torch.Tensor, type_name: str, in_features: int,
-                    bias: Optional[torch.Tensor] = None, small_batch_rows: Optional[int] = None) -> "GGUFLinear":
-        """From a weight's GGUF bytes (uint8 [N, row bytes], see `gguf_blocks.decode_blocks`)."""
-        grouped = decode_blocks(raw, type_name, in_features)
+    def from_blocks(raw: torch.Tensor, type_name: str, in_features: int, bias: Optional[torch.Tensor] = None,
+                    kernel_dtype: Optional[torch.dtype] = torch.bfloat16,
+                    small_batch_rows: int = SMALL_BATCH_ROWS) -> "GGUFLinear":
+        """From a weight's GGUF bytes (uint8 [N, row bytes], see `gguf_blocks.decode_blocks`).
+        `kernel_dtype`: the int4 planes' activation and scale dtype (bf16: fast; fp32: ~exact,
+        slow); None: no planes, every product in row blocks."""
+        grouped = decode_blocks(raw, type_name, in_features)       # validates the bytes too
         bias = None if bias is None else bias.detach().float()
-        if not grouped.fmt.int4:
-            return GGUFLinear(grouped, bias, None, None, 0)
-        lo = grouped.value_range[0]
-        levels = (grouped.values.to(torch.int16) - lo).to(torch.uint8)
-        nibbles = levels[:, 0::2] | (levels[:, 1::2] << 4)
-        kernel = _int4_kernel(levels, grouped, lo)
-        rows = INT4_SMALL_BATCH_ROWS if small_batch_rows is None else small_batch_rows
-        without_values = GroupedWeight(grouped.fmt, None, grouped.scales, grouped.offsets)
-        return GGUFLinear(without_values, bias, nibbles.contiguous(), kernel, rows)
+        planes = ()
+        if kernel_dtype is not None and type_name in _VALUE_BITS:
+            planes = int4_planes(grouped, _VALUE_BITS[type_name], kernel_dtype)
+        return GGUFLinear(grouped, bias, planes, small_batch_rows)
 
     @staticmethod
-    def from_reader_tensor(tensor, bias: Optional[torch.Tensor] = None) -> "GGUFLinear":
+    def from_reader_tensor(tensor, bias: Optional[torch.Tensor] = None, **options) -> "GGUFLinear":
         """From a gguf.ReaderTensor of a 2-D block-format weight (its `shape` is GGUF's [K, N])."""
         in_features, out_features = (int(n) for n in tensor.shape)
         raw = torch.from_numpy(tensor.data.reshape(out_features, -1).copy())
-        return GGUFLinear.from_blocks(raw, tensor.tensor_type.name, in_features, bias)
+        return GGUFLinear.from_blocks(raw, tensor.tensor_type.name, in_features, bias, **options)
 
     def nbytes(self) -> int:
         """Bytes held for the weight (and bias)."""
-        held = [self.grouped.values, self.grouped.scales, self.grouped.offsets, self.nibbles, self.bias]
-        if self.kernel is not None:
-            held += [self.kernel.packed, self.kernel.scales_zeros]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t is not None}
-        return sum(storages.values())
+        grouped = self.grouped
+        held = [grouped.values, grouped.scales, grouped.offsets, self.bias]
+        held += [t for plane in self.planes for t in (plane.packed, plane.scales_zeros)]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x if x.dtype is torch.float32 else x.float()
-        if self.kernel is not None and x.shape[0] <= self.small_batch_rows:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xf.contiguous(), self.kernel.packed,
-                                                           INT4_KERNEL_GROUP, self.kernel.scales_zeros)
+        if self.planes and x.shape[0] <= self.small_batch_rows:
+            y = self._planes_mm(x)
         else:
-            y = self._row_blocks(xf)
+            y = self._row_blocks(x if x.dtype is torch.float32 else x.float())
         if self.bias is not None:
             y = y + self.bias
         return y if y.dtype is x.dtype else y.to(x.dtype)
 
+    def _planes_mm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.planes[0].scales_zeros.dtype
+        xk = (x if x.dtype is dtype else x.to(dtype)).contiguous()
+        y = None
+        for plane in self.planes:
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, plane.packed, INT4_KERNEL_GROUP,
+                                                              plane.scales_zeros).float()
+            y = part if y is None else y.add_(part)
+        return y
+
     def _row_blocks(self, x: torch.Tensor) -> torch.Tensor:
         step = max(16, BLOCK_ELEMENTS // self.in_features // 16 * 16)
-        parts = [x @ self.dequantized_rows(start, start + step).t()
+        parts = [F.linear(x, self.dequantized_rows(start, start + step))
                  for start in range(0, self.out_features, step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the weight in fp32, as the row blocks use them (gguf-py's values)."""
+        """Rows [start, stop) of the weight in fp32: gguf-py's values, bit for bit."""
         grouped = self.grouped
-        group = grouped.fmt.group
-        if self.nibbles is None:
-            values = grouped.values[start:stop]
-        else:
-            packed = self.nibbles[start:stop]
-            levels = torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(packed.shape[0], -1)
-            values = levels.to(torch.int8) + grouped.value_range[0]
-        rows = values.shape[0]
-        w = grouped.scales[start:stop, :, None] * values.view(rows, -1, group)
-        if grouped.offsets is not None:
-            w = w + grouped.offsets[start:stop, :, None]
-        return w.view(rows, -1)
+        offsets = None if grouped.offsets is None else grouped.offsets[start:stop]
+        return dequantize_grouped(GroupedWeight(grouped.fmt, grouped.values[start:stop],
+                                                grouped.scales[start:stop], offsets))
 
     def dequantized(self) -> torch.Tensor:
         """The whole fp32 [N, K] weight (for tests and the reference path)."""
@@ -139,22 +139,33 @@ class GGUFLinear:
         return y.to(x.dtype)
 
 
-def _int4_kernel(levels: torch.Tensor, grouped: GroupedWeight, lo: int) -> Int4Kernel:
-    """w = s value + o = s (v + lo) + o = (v - 8) s + z with z = (lo + 8) s + o."""
-    zeros = (lo + 8) * grouped.scales
+def int4_planes(grouped: GroupedWeight, bits: int, dtype: torch.dtype) -> tuple[Int4Plane, ...]:
+    """`grouped` (groups of 32, values of `bits` bits) as int4 planes: see the module docstring."""
+    if grouped.fmt.group != INT4_KERNEL_GROUP:
+        raise ValueError(f"{grouped.fmt.name} has groups of {grouped.fmt.group}; the int4 kernel takes 32")
+    lo = grouped.value_range[0]
+    levels = (grouped.values.to(torch.int32) - lo)
+    zero = (lo + 8) * grouped.scales
     if grouped.offsets is not None:
-        zeros = zeros + grouped.offsets
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
-    scales_zeros = torch.stack((grouped.scales, zeros), dim=-1).transpose(0, 1).contiguous()
-    return Int4Kernel(packed, scales_zeros)
+        zero = zero + grouped.offsets
+    planes = []
+    for index in range((bits + 3) // 4):
+        scale = grouped.scales * 16 ** index
+        nibbles = (levels >> (4 * index)) & 0x0F
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.contiguous(), 1)
+        scales_zeros = torch.stack((scale, zero if index == 0 else 8 * scale), dim=-1)
+        planes.append(Int4Plane(packed, scales_zeros.transpose(0, 1).contiguous().to(dtype)))
+    return tuple(planes)
 
 
-def linear_from_gguf(reader, name: str, bias_name: Optional[str] = None) -> GGUFLinear:
-    """The GGUFLinear of tensor `name` of a gguf.GGUFReader (and its bias `bias_name`, an F32 tensor)."""
+def linear_from_gguf(reader, name: str, bias_name: Optional[str] = None, **options) -> GGUFLinear:
+    """The GGUFLinear of tensor `name` of a gguf.GGUFReader (and its bias `bias_name`, an F32 tensor);
+    `options` as `GGUFLinear.from_blocks` takes them."""
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if name not in tensors:
         raise ValueError(f"GGUF file has no tensor {name!r}")
+    block_format(tensors[name].tensor_type.name)
     bias = None
     if bias_name is not None:
         bias = torch.from_numpy(tensors[bias_name].data.astype("float32").copy())
-    return GGUFLinear.from_reader_tensor(tensors[name], bias)
+    return GGUFLinear.from_reader_tensor(tensors[name], bias, **options)
