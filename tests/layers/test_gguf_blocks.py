@@ -146,17 +146,23 @@ def test_bias_dtype_and_memory():
     assert unplanned.nbytes() == decoded < 64 * 256 * 2         # below a bf16 copy
 
 
-def test_linear_from_a_gguf_file(tmp_path):
-    rows, cols = 32, 64
+def _tiny_gguf(path, rows: int, cols: int) -> np.ndarray:
+    """Write a GGUF with one Q8_0 weight [rows, cols] and an F32 bias of ones; the Q8_0 bytes."""
     weight = np.random.default_rng(4).standard_normal((rows, cols)).astype(np.float32)
     quantized = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("blk.0.ffn_down.weight", quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.add_tensor("blk.0.ffn_down.bias", np.ones(rows, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return quantized
+
+
+def test_linear_from_a_gguf_file(tmp_path):
+    rows, cols = 32, 64
+    quantized = _tiny_gguf(tmp_path / "tiny.gguf", rows, cols)
     reader = gguf.GGUFReader(str(tmp_path / "tiny.gguf"))
     linear = linear_from_gguf(reader, "blk.0.ffn_down.weight", "blk.0.ffn_down.bias")
     assert (linear.out_features, linear.in_features) == (rows, cols)
@@ -167,6 +173,18 @@ def test_linear_from_a_gguf_file(tmp_path):
     assert ((linear(x) - (x @ expected.t() + 1)).abs() <= tolerance).all()
     with pytest.raises(ValueError, match="no tensor"):
         linear_from_gguf(reader, "output.weight")
+    with pytest.raises(ValueError, match="not a supported block format"):
+        linear_from_gguf(reader, "blk.0.ffn_down.bias")
+
+
+def test_loader_reads_gguf_linears_opt_in(tmp_path):
+    from kvsplice.models.loader import load_gguf_linears
+
+    quantized = _tiny_gguf(tmp_path / "tiny.gguf", 32, 64)
+    linears = load_gguf_linears(tmp_path / "tiny.gguf", ["blk.0.ffn_down.weight"], kernel_dtype=None)
+    expected = torch.from_numpy(gguf_dequantize(quantized, gguf.GGMLQuantizationType.Q8_0))
+    linear = linears["blk.0.ffn_down.weight"]
+    assert not linear.planes and torch.equal(linear.dequantized(), expected)
 
 
 def _gemma_gguf_path():
