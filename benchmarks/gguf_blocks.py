@@ -5,9 +5,10 @@
 Gemma 3 270M's matrices, in the block formats its Q4_K_M GGUF stores them in (attn_output Q4_K,
 ffn_up Q5_0, ffn_down Q6_K, the tied embedding / lm_head Q8_0), filled with random blocks (finite
 fp16 scales), so no model file is needed. For each and each row count: the fastest time of the
-packed product (`GGUFLinear.__call__`, fp32 activations: the int4 kernel for Q4_K at a few rows,
-else row blocks; Q6_K always row blocks), of F.linear with the dense bf16 copy (bf16 activations) and with the dense fp32
-copy, as ratios to the packed one; and the bytes each holds.
+packed product (`GGUFLinear.__call__`: the int4 planes up to `small_batch_rows` rows, else row
+blocks; Q6_K always row blocks) against F.linear with the dense bf16 copy, both with bf16
+activations, and against the dense fp32 copy, both with fp32 activations, as ratios to the packed
+one; and the bytes each holds.
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ def bench_matrix(name: str, type_name: str, rows: int, cols: int, row_counts: li
     for m in row_counts:
         x = torch.randn(m, cols)
         x16 = x.bfloat16()
-        packed = fastest_ms(lambda: linear(x), repeats)
+        packed16 = fastest_ms(lambda: linear(x16), repeats)
+        packed32 = fastest_ms(lambda: linear(x), repeats)
         bf16 = fastest_ms(lambda: F.linear(x16, dense16), repeats)
         fp32 = fastest_ms(lambda: F.linear(x, dense32), repeats)
-        print(f"  {m:3d} rows  packed {packed:8.3f} ms   bf16 {bf16:8.3f} ms (x{bf16 / packed:.2f})   "
-              f"fp32 {fp32:8.3f} ms (x{fp32 / packed:.2f})")
+        print(f"  {m:3d} rows  bf16 x: packed {packed16:8.3f} ms, dense {bf16:8.3f} ms (x{bf16 / packed16:.2f})   "
+              f"fp32 x: packed {packed32:8.3f} ms, dense {fp32:8.3f} ms (x{fp32 / packed32:.2f})")
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """`GGUFLinear`: y = x W^T (+ b) with W kept in its GGUF block format, never expanded whole.
 
-It holds the tensor's own GGUF bytes (the exact form, 4.5 to 8.5 bits a weight) and, for the formats
-with groups of 32 (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0), the same weight as int4 planes for
-aten._weight_int4pack_mm_for_cpu, which computes sum over k of x (v - 8) s + z, v in 0..15 per
-weight and a scale s and zero z per group of 32:
+It holds the decoded blocks (`gguf_blocks.GroupedWeight`: int8 values, an fp32 scale and offset per
+group) and, for the formats with groups of 32 (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q8_0), the same weight
+as int4 planes for aten._weight_int4pack_mm_for_cpu, which computes sum over k of x (v - 8) s + z,
+v in 0..15 per weight and a scale s and zero z per group of 32:
 
     w = s value + o,  u = value - lo (lo: the format's smallest value; u has 4, 5 or 8 bits)
       = sum over planes p of ((u >> 4p) & 15 - 8) s 16^p + z_p,
@@ -13,19 +13,22 @@ One plane for the 4-bit formats, two for Q5_0 / Q5_K (the second holds the fifth
 The kernel is fast only with bf16 activations and bf16 scales (its fp32 path is ~30x slower on
 AVX-512 CPUs), so the planes hold bf16 `s 16^p` and `z_p` by default: each weight is then off by
 at most 2^-7 (8 |s_p| + |z_p|) summed over its planes, the bf16 roundings (unit roundoff 2^-8) of
-its scale, zero and output (the tests check the bound); with `kernel_dtype=torch.float32` only the fp32 roundings of z_0 and of the kernel remain.
+its scale, zero and output (the tests check the bound); with `kernel_dtype=torch.float32` only the
+fp32 roundings of z_0 and of the kernel remain.
+
 Above `small_batch_rows` rows (the kernel dequantizes per row), for Q6_K (groups of 16, which the
-kernel does not take) and without planes (`kernel_dtype=None`), the product runs in row blocks
-from the decoded blocks (`gguf_blocks.GroupedWeight`: int8 values, fp32 scales and offsets): a few
-hundred output rows at a time are dequantized to fp32 (a buffer of about `BLOCK_ELEMENTS` values)
-and multiplied, so those are gguf-py's own weights, bit for bit, and no dense copy of the whole
-weight ever exists. `reference` multiplies with the whole dequantized weight in one matmul, the
-pure-torch path beside the fast ones.
+kernel does not take) and without planes (`kernel_dtype=None`), the product runs in row blocks: a
+few hundred output rows at a time are dequantized to fp32 (a buffer of about `BLOCK_ELEMENTS`
+values) and multiplied, so those are gguf-py's own weights, bit for bit, and no dense copy of the
+whole weight ever exists. bf16 activations of `BF16_BLOCK_ROWS` rows or more multiply the blocks
+rounded to bf16 (as a dense bf16 copy holds them: oneDNN's bf16 matmul is several times faster
+than fp32 on AVX512-BF16 / AMX); other activations in fp32, exactly. `reference` multiplies with
+the whole dequantized weight in one matmul, the pure-torch path beside the fast ones.
 
 Memory per weight: the decoded blocks 1 byte + 4 (Q4_1, Q4_K, Q5_K: 8) bytes per group, plus the
 planes' 0.5 byte and 4 bytes per group of 32 each; against 2 bytes for a bf16 copy, 4 for fp32.
-Without planes that is 1.13 to 1.25 bytes; with them 1.8 (Q4_*) or 2.4 (Q5_*, Q8_0): the price of
-the fast small batches, as PackedLinear pays for its dense copy.
+Without planes that is 1.13 to 1.25 bytes; with them 1.75 to 1.88 (Q4_*), 2.38 to 2.5 (Q5_*,
+Q8_0): the price of the fast small batches, as PackedLinear pays for its dense copy.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ INT4_KERNEL_GROUP = 32
 # in row blocks (decoded once for all rows).
 SMALL_BATCH_ROWS = 16
 BLOCK_ELEMENTS = 1 << 18     # one row block's fp32 buffer: 1 MiB, within a core's L2
+# bf16 activations from this many rows on multiply bf16 row blocks (below, oneDNN's reorder of each
+# block's weight costs more than the fp32 matmul; measured on a Sapphire Rapids core: fp32 faster
+# at 8 rows, bf16 at 16 and 64)
+BF16_BLOCK_ROWS = 16
 _VALUE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_K": 5, "Q8_0": 8}
 
 
@@ -98,8 +105,10 @@ class GGUFLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.planes and x.shape[0] <= self.small_batch_rows:
             y = self._planes_mm(x)
+        elif x.dtype is torch.bfloat16 and x.shape[0] >= BF16_BLOCK_ROWS:
+            y = self._row_blocks(x, torch.bfloat16)
         else:
-            y = self._row_blocks(x if x.dtype is torch.float32 else x.float())
+            y = self._row_blocks(x if x.dtype is torch.float32 else x.float(), torch.float32)
         if self.bias is not None:
             y = y + self.bias
         return y if y.dtype is x.dtype else y.to(x.dtype)
@@ -114,11 +123,16 @@ class GGUFLinear:
             y = part if y is None else y.add_(part)
         return y
 
-    def _row_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def _row_blocks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x [M, K] (in `dtype`) times row blocks of the weight rounded to `dtype` (fp32: exact)."""
         step = max(16, BLOCK_ELEMENTS // self.in_features // 16 * 16)
-        parts = [F.linear(x, self.dequantized_rows(start, start + step))
+        parts = [F.linear(x, self._rows_in(start, start + step, dtype))
                  for start in range(0, self.out_features, step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _rows_in(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.dequantized_rows(start, stop)
+        return rows if dtype is torch.float32 else rows.to(dtype)
 
     def dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the weight in fp32: gguf-py's values, bit for bit."""

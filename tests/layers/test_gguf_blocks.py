@@ -12,7 +12,8 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from kvsplice.layers.gguf_blocks import BLOCK_FORMATS, decode_blocks, dequantize  # noqa: E402
-from kvsplice.layers.gguf_linear import SMALL_BATCH_ROWS, GGUFLinear, linear_from_gguf  # noqa: E402
+from kvsplice.layers.gguf_linear import (BF16_BLOCK_ROWS, SMALL_BATCH_ROWS, GGUFLinear,  # noqa: E402
+                                         linear_from_gguf)
 
 # byte offsets of each format's fp16 fields within a block
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,),
@@ -89,9 +90,13 @@ def test_linear_row_blocks_compute_gguf_py_weights(type_name):
     linear = GGUFLinear.from_blocks(torch.from_numpy(raw), type_name, cols)
     weight = torch.from_numpy(_gguf_reference(raw, type_name))
     assert torch.equal(linear.dequantized(), weight)
-    x = torch.randn(SMALL_BATCH_ROWS + 1, cols)            # above the planes' rows: row blocks
+    x = torch.randn(max(SMALL_BATCH_ROWS + 1, BF16_BLOCK_ROWS), cols)     # above the planes' rows: row blocks
     assert torch.allclose(linear(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
     assert torch.allclose(linear.reference(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    # bf16 activations (from BF16_BLOCK_ROWS rows): the blocks rounded to bf16, like a dense bf16 copy
+    x16 = x.bfloat16()
+    tolerance = 2.0 ** -6 * (x16.float().abs() @ weight.abs().t()) + 1e-5
+    assert ((linear(x16).float() - x16.float() @ weight.t()).abs() <= tolerance).all()
     unplanned = GGUFLinear.from_blocks(torch.from_numpy(raw), type_name, cols, kernel_dtype=None)
     assert not unplanned.planes and torch.allclose(unplanned(x[:1]), x[:1] @ weight.t(), rtol=1e-5, atol=1e-5)
 
