@@ -215,5 +215,12 @@ def test_every_tensor_of_gemma3_270m_matches_gguf_py():
         seen.add(tensor.tensor_type.name)
         cols = int(tensor.shape[0])
         mine = dequantize(torch.from_numpy(tensor.data.copy()), tensor.tensor_type.name, cols).numpy()
-        assert _same_bits(mine, gguf_dequantize(tensor.data, tensor.tensor_type)), tensor.name
+        reference = gguf_dequantize(tensor.data, tensor.tensor_type)
+        assert _same_bits(mine, reference), tensor.name
+        if tensor.name.startswith("blk.0."):                  # one layer's linears, every type
+            linear = GGUFLinear.from_reader_tensor(tensor, small_batch_rows=cols)
+            assert torch.equal(linear.dequantized(), torch.from_numpy(reference))
+            if linear.planes:
+                error = (linear(torch.eye(cols)).t() - torch.from_numpy(reference)).abs()
+                assert (error <= _plane_bound(linear, 2.0 ** -7)).all(), tensor.name
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= seen
