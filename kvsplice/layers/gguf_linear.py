@@ -42,6 +42,7 @@ from torch.nn import functional as F
 from kvsplice.layers.gguf_blocks import GroupedWeight, block_format, decode_blocks, dequantize_grouped
 
 INT4_KERNEL_GROUP = 32
+KERNEL_ROWS = 16             # the int4 kernel's packing takes N divisible by this (else: row blocks only)
 # Rows <= this go through the int4 planes: the kernel dequantizes per row, so many rows are faster
 # in row blocks (decoded once for all rows).
 SMALL_BATCH_ROWS = 16
@@ -80,11 +81,12 @@ class GGUFLinear:
                     small_batch_rows: int = SMALL_BATCH_ROWS) -> "GGUFLinear":
         """From a weight's GGUF bytes (uint8 [N, row bytes], see `gguf_blocks.decode_blocks`).
         `kernel_dtype`: the int4 planes' activation and scale dtype (bf16: fast; fp32: ~exact,
-        slow); None: no planes, every product in row blocks."""
+        slow); None: no planes, every product in row blocks (so too where N is not a multiple of
+        KERNEL_ROWS)."""
         grouped = decode_blocks(raw, type_name, in_features)       # validates the bytes too
         bias = None if bias is None else bias.detach().float()
         planes = ()
-        if kernel_dtype is not None and type_name in _VALUE_BITS:
+        if kernel_dtype is not None and type_name in _VALUE_BITS and grouped.shape[0] % KERNEL_ROWS == 0:
             planes = int4_planes(grouped, _VALUE_BITS[type_name], kernel_dtype)
         return GGUFLinear(grouped, bias, planes, small_batch_rows)
 
@@ -136,10 +138,17 @@ class GGUFLinear:
 
     def dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the weight in fp32: gguf-py's values, bit for bit."""
+        return self._dequantize(slice(start, stop))
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) of the weight in fp32, [*ids.shape, K]: the lookup of a
+        token embedding stored in a block format (a tied lm_head's weight)."""
+        return self._dequantize(ids.reshape(-1)).view(*ids.shape, self.in_features)
+
+    def _dequantize(self, rows) -> torch.Tensor:
         grouped = self.grouped
-        offsets = None if grouped.offsets is None else grouped.offsets[start:stop]
-        return dequantize_grouped(GroupedWeight(grouped.fmt, grouped.values[start:stop],
-                                                grouped.scales[start:stop], offsets))
+        offsets = None if grouped.offsets is None else grouped.offsets[rows]
+        return dequantize_grouped(GroupedWeight(grouped.fmt, grouped.values[rows], grouped.scales[rows], offsets))
 
     def dequantized(self) -> torch.Tensor:
         """The whole fp32 [N, K] weight (for tests and the reference path)."""

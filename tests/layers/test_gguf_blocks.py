@@ -134,6 +134,15 @@ def test_int4_planes_are_within_their_roundings(type_name, dtype):
     assert ((linear(x) - x @ weight.t()).abs() <= tolerance).all()
 
 
+def test_embedding_rows_are_the_dequantized_rows():
+    raw = torch.from_numpy(_blocks("Q4_K", 40, 256, seed=5))
+    linear = GGUFLinear.from_blocks(raw, "Q4_K", 256)
+    assert not linear.planes                 # 40 rows: not a multiple of the kernel's 16
+    ids = torch.tensor([[3, 0, 39], [3, 7, 7]])
+    rows = linear.embedding(ids)
+    assert rows.shape == (2, 3, 256) and torch.equal(rows, dequantize(raw, "Q4_K", 256)[ids])
+
+
 def test_bias_dtype_and_memory():
     raw = torch.from_numpy(_blocks("Q5_0", 64, 256))
     bias = torch.randn(64)
