@@ -24,9 +24,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvsplice.layers.block_int8_head import Int8Blocks, int8_blocks
+from kvsplice.layers.gguf_linear import GGUFLinear, linear_from_gguf
 from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, default_model_dir, find_default_gguf
 from kvsplice.models.default_model import pull_default_model
 from kvsplice.models.gguf_convert import ensure_converted
+from kvsplice.models.gguf_convert import open_gguf
 from kvsplice.models.llama2c import load_llama2c
 from kvsplice.models.manifest import MANIFEST_FILE, read_manifest
 from kvsplice.tokenizer import Tokenizer
@@ -213,3 +215,12 @@ def load_checkpoint(path_or_id: str, dtype: torch.dtype = torch.float32, head_bl
     if not HUB_ID_PATTERN.match(path_or_id) or path_or_id.startswith((".", "~")):
         raise ValueError(f"model path {path_or_id!r} does not exist")
     return load_hf_dir(download_from_hub(path_or_id), dtype, path_or_id, path_or_id, head_blocks)
+
+
+def load_gguf_linears(gguf_path: str | Path, names: list[str], **options) -> dict[str, GGUFLinear]:
+    """The GGUF tensors `names` (llama.cpp's names, e.g. "blk.0.ffn_down.weight") as GGUFLinears, their
+    blocks kept packed instead of converted (kvsplice.layers.gguf_linear; `options` as
+    `GGUFLinear.from_blocks` takes them). Opt-in, beside `load_checkpoint`, for layers that run GGUF
+    blocks directly. ValueError for a missing tensor or a type that is not a block format."""
+    reader = open_gguf(gguf_path)
+    return {name: linear_from_gguf(reader, name, **options) for name in names}
