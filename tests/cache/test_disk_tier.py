@@ -363,3 +363,22 @@ def test_namespace_name_is_stable_and_typed():
     assert namespace_name(None) != namespace_name("None")
     with pytest.raises(TypeError):
         namespace_name(("tenant", 1.5))
+
+
+def test_entry_moved_into_another_namespace_is_never_served(tmp_path):
+    """A file copied over another namespace's entry (same content key) is dropped: each entry
+    names its namespace in full, checked on load and at rebuild."""
+    entry = prefix_entry("a", TOKENS)
+    a_path = tmp_path / "entries" / namespace_dir("a") / (entry.key.content + ".kvt")
+    b_path = tmp_path / "entries" / namespace_dir("b") / (entry.key.content + ".kvt")
+    with open_tier(tmp_path) as tier:
+        tier.put(entry)
+        tier.put(prefix_entry("b", TOKENS, seed=5))
+        tier.wait_writes()
+        b_path.write_bytes(a_path.read_bytes())
+        assert tier.get(EntryKey.for_prefix("b", TOKENS)) is None
+        assert tier.stats().corrupt_dropped == 1 and not b_path.exists()
+        b_path.write_bytes(a_path.read_bytes())
+    with open_tier(tmp_path) as tier:
+        assert tier.stats().corrupt_dropped == 1 and not b_path.exists()
+        assert tier.get(entry.key) is not None

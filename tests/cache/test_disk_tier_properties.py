@@ -1,0 +1,100 @@
+"""Properties of the disk tier under random operations (hypothesis, derandomized, small).
+
+- budget: the bytes on disk (entry files and temporaries, measured by the file system itself at
+  every write) never exceed the budget, nor does the tier's own count, nor a namespace its share;
+- tenancy: a lookup in one namespace only ever returns what was put in that namespace, with the
+  very K/V put there, even when every namespace stores the same token ids.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsplice.cache.tier_format import ENTRY_SUFFIX
+from kvsplice.cache.tier_fs import LocalFileSystem, TEMP_SUFFIX
+from tests.cache.tier_helpers import entry_size, open_tier, prefix_entry, session_entry
+
+SETTINGS = settings(max_examples=25, derandomize=True, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+NAMESPACES = ["a", "b", "c"]
+PUTS = st.lists(st.tuples(st.sampled_from(NAMESPACES), st.integers(1, 12), st.integers(0, 3)),
+                min_size=1, max_size=25)
+
+
+class MeasuringFileSystem(LocalFileSystem):
+    """Sums the size of everything under the entries directory around every write."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.max_bytes = 0
+        self._lock = threading.Lock()
+
+    def _measure(self) -> None:
+        total = sum(path.stat().st_size for path in self.root.glob("entries/*/*")
+                    if path.name.endswith((ENTRY_SUFFIX, TEMP_SUFFIX)))
+        with self._lock:
+            self.max_bytes = max(self.max_bytes, total)
+
+    def write_atomic(self, path, chunks) -> None:
+        chunks = list(chunks)
+        self._measure()
+        super().write_atomic(path, chunks)
+        self._measure()
+
+
+@SETTINGS
+@given(puts=PUTS, budget_entries=st.integers(1, 6), share=st.sampled_from([1.0, 0.5]))
+def test_budget_never_exceeded(puts, budget_entries, share):
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        budget = budget_entries * entry_size(prefix_entry("a", list(range(8))))
+        fs = MeasuringFileSystem(root)
+        with open_tier(root, budget_bytes=budget, namespace_share=share, fs=fs, write_queue_size=4) as tier:
+            for namespace, length, seed in puts:
+                tier.put(prefix_entry(namespace, [seed] * length, seed=seed))
+                stats = tier.stats()
+                assert stats.bytes_used <= budget
+                for name in NAMESPACES:
+                    assert tier.namespace_bytes(name) <= int(budget * share)
+            tier.wait_writes()
+            stats = tier.stats()
+            on_disk = sum(path.stat().st_size for path in root.glob("entries/*/*.kvt"))
+            assert on_disk == stats.bytes_used <= budget
+            assert stats.entries == len(list(root.glob("entries/*/*.kvt")))
+        assert fs.max_bytes <= budget
+
+
+@SETTINGS
+@given(puts=PUTS, queries=st.lists(st.tuples(st.sampled_from(NAMESPACES), st.integers(1, 12),
+                                              st.integers(0, 3)), max_size=15))
+def test_namespace_isolation(puts, queries):
+    with tempfile.TemporaryDirectory() as directory:
+        with open_tier(Path(directory), budget_bytes=10**7, write_queue_size=64) as tier:
+            stored = {}
+            for namespace, length, seed in puts:
+                # the seed of the K/V depends on the namespace: equal tokens, different K/V
+                entry = prefix_entry(namespace, [seed] * length, seed=NAMESPACES.index(namespace) * 100 + seed)
+                if entry.key not in stored and tier.put(entry):
+                    stored[entry.key] = entry
+                session = session_entry(namespace, f"s{seed}", [seed] * length, seed=length)
+                if tier.put(session):
+                    stored[session.key] = session
+            tier.wait_writes()
+            for namespace, length, seed in queries:
+                tokens = [seed] * length
+                match = tier.match_prefix(namespace, tokens)
+                assert all(key.namespace == namespace for key in match.keys)
+                for other in NAMESPACES:
+                    for key, session_id in ((prefix_entry(other, tokens).key, None),
+                                            (session_entry(other, f"s{seed}", tokens).key, f"s{seed}")):
+                        loaded = tier.get(key, session_id=session_id)
+                        assert (loaded is not None) == (key in stored)
+                        if loaded is not None:
+                            assert loaded.key.namespace == other
+                            assert torch.equal(loaded.kv, stored[key].kv)
