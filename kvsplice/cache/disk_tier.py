@@ -358,7 +358,7 @@ class DiskTier:
 
     def _stored_identity(self, header_path: Path) -> TierIdentity | None:
         try:
-            return TierIdentity.from_json(self.fs.read_file(header_path).decode())
+            return TierIdentity.from_json(bytes(self.fs.read_file(header_path)).decode())
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError) as error:

@@ -319,13 +319,12 @@ def header_bytes_needed(head: bytes) -> int:
     return PREFIX.size + PREFIX.unpack_from(head)[1]
 
 
-def decode_entry(buffer: bytearray, identity: TierIdentity, key: EntryKey) -> TierEntry:
+def decode_entry(buffer: memoryview, identity: TierIdentity, key: EntryKey) -> TierEntry:
     """Verify a whole entry file read into `buffer` and return its entry (tensors are views of
-    `buffer`). Raises CorruptEntryError on any mismatch: length, checksum, identity, key, shapes,
+    `buffer`, which must be writable). Raises CorruptEntryError on any mismatch: length, checksum, identity, key, shapes,
     or (for exact entries) token ids that do not hash to the key."""
     header = parse_header(buffer, file_size=len(buffer))
-    body = memoryview(buffer)[:-CHECKSUM.size]
-    if checksum([body]) != bytes(buffer[-CHECKSUM.size:]):
+    if checksum([buffer[:-CHECKSUM.size]]) != bytes(buffer[-CHECKSUM.size:]):
         raise CorruptEntryError("checksum mismatch")
     if header.identity != identity.digest():
         raise CorruptEntryError("written under another model identity")

@@ -18,6 +18,8 @@ import secrets
 from pathlib import Path
 from typing import Iterable, Protocol
 
+import numpy as np
+
 TEMP_SUFFIX = ".tmp"
 
 
@@ -26,7 +28,7 @@ class TierFileSystem(Protocol):
 
     def make_dirs(self, path: Path) -> None: ...
     def write_atomic(self, path: Path, chunks: Iterable[bytes | memoryview]) -> None: ...
-    def read_file(self, path: Path) -> bytearray: ...
+    def read_file(self, path: Path) -> memoryview: ...
     def read_head(self, path: Path, num_bytes: int) -> bytes: ...
     def file_info(self, path: Path) -> tuple[int, float]: ...
     def list_dir(self, path: Path) -> list[str]: ...
@@ -72,17 +74,17 @@ class LocalFileSystem:
         finally:
             os.close(fd)
 
-    def read_file(self, path: Path) -> bytearray:
+    def read_file(self, path: Path) -> memoryview:
+        """The whole file, in a fresh writable buffer (not zero-filled first: it is read over)."""
         with open(path, "rb", buffering=0) as file:
             size = os.fstat(file.fileno()).st_size
-            buffer = bytearray(size)
-            view, filled = memoryview(buffer), 0
+            view, filled = memoryview(np.empty(size, dtype=np.uint8)), 0
             while filled < size:
                 count = file.readinto(view[filled:])
                 if not count:
-                    return buffer[:filled]      # shrank under us: the length check rejects it
+                    return view[:filled]        # shrank under us: the length check rejects it
                 filled += count
-        return buffer
+        return view
 
     def read_head(self, path: Path, num_bytes: int) -> bytes:
         with open(path, "rb") as file:
