@@ -124,13 +124,16 @@ class TierStats:
 
 @dataclass(frozen=True)
 class TierMatch:
-    """Result of `DiskTier.match_prefix`: stored entries that extend a prefix, in order.
+    """Result of `DiskTier.match_prefix`: stored entries that cover a query from a position on.
 
-    `keys[i]` covers positions `ends[i-1]..ends[i]` (`ends[-1]` = `length` when any; the first
-    starts at the query's start). Loading them (`get`) can still miss (a file may have gone bad):
-    the caller then recomputes from the first miss on."""
+    `keys[i]` holds K/V from `starts[i]` to `ends[i]`; the chain is gapless (`starts[0]` <= the
+    query's start, `starts[i+1] <= ends[i]`, ends increasing), so entry i serves positions
+    `max(starts[i], previous end)..ends[i]` and the whole covers up to `length` (the query's start
+    when `keys` is empty). Loading them (`get`) can still miss (a file may have gone bad): the
+    caller then recomputes from the first miss on."""
 
     keys: tuple[EntryKey, ...]
+    starts: tuple[int, ...]
     ends: tuple[int, ...]
     length: int
 
@@ -163,6 +166,7 @@ class DiskTier:
         self._lru: OrderedDict[EntryKey, EntryHeader] = OrderedDict()
         self._by_namespace: dict[str, OrderedDict[EntryKey, EntryHeader]] = {}
         self._by_start: dict[tuple[str, int, str], set[EntryKey]] = {}
+        self._starts: dict[str, dict[int, int]] = {}    # namespace -> start position -> exact entries
         self._namespace_bytes: dict[str, int] = {}
         self._stored_bytes = 0
         self._inflight: dict[EntryKey, int] = {}
@@ -185,15 +189,18 @@ class DiskTier:
         into them afterwards (a gather from the pool makes a fresh tensor). Dropped, and counted,
         when the writer queue is full, when the entry cannot fit its namespace's share or the
         budget even after evicting every stored entry it may evict, or when the same key is being
-        written already. Raises ValueError only for a malformed entry (see `TierEntry.validate`)."""
+        written already. An exact entry whose key is stored already (same tokens up to the same
+        end) replaces it only if it starts earlier (covers more). Raises ValueError only for a
+        malformed entry (see `TierEntry.validate`)."""
         entry.validate(self.identity)
         head, header = build_header(entry, self.identity)
         key, size = entry.key, header.file_size
         with self._lock:
             if self._closed or key in self._inflight:
                 return False
-            if key in self._lru and entry.exact:
-                self._touch(key)                    # equal K/V: nothing to write
+            stored = self._lru.get(key)
+            if stored is not None and entry.exact and stored.start_pos <= entry.start_pos:
+                self._touch(key)                    # the stored K/V cover these: nothing to write
                 return True
             reserved = sum(self._inflight.values())
             if self._queue.full() or reserved + size > self.config.max_queued_bytes:
@@ -220,32 +227,46 @@ class DiskTier:
 
     def match_prefix(self, namespace: str, token_ids: Sequence[int] | torch.Tensor,
                      start_pos: int = 0) -> TierMatch:
-        """The chain of stored exact entries that continues `token_ids[:start_pos]` furthest.
+        """The chain of stored exact entries of `namespace` that covers `token_ids` from
+        `start_pos` on, furthest (e.g. `start_pos` = what the radix tree matched).
 
-        An entry continues a prefix when it starts at the prefix's end, its earlier tokens equal
-        the prefix, and its own tokens equal the query's (checked by the hash chain here, and by
-        the stored token ids again on `get`). Only `namespace`'s entries are considered. No I/O,
-        no LRU change; call `prefetch` / `get` on the keys."""
+        An entry covers a position when it starts at or before it, ends after it, and its tokens
+        equal the query's up to its end (checked by the hash chain here; `get` checks the stored
+        token ids again). One pass of hashing over the query, plus each candidate's own run.
+        No I/O, no LRU change; call `prefetch` / `get` on the keys."""
         token_ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)]
-        hasher = PrefixHasher().update(token_ids[:start_pos])
-        position, keys, ends = start_pos, [], []
-        while position < len(token_ids):
-            with self._lock:
-                candidates = [self._lru[key] for key in self._by_start.get(
-                    (namespace, position, hasher.hexdigest()), ()) if key in self._lru]
+        with self._lock:
+            starts = sorted(s for s in self._starts.get(namespace, ()) if s < len(token_ids))
+        hasher, hashed, covered = PrefixHasher(), 0, start_pos
+        keys, chain_starts, ends = [], [], []
+        while True:
             best = None
-            for header in candidates:
-                if header.end_pos > len(token_ids) or (best and header.end_pos <= best[0].end_pos):
-                    continue
-                extended = hasher.copy().update(token_ids[position:header.end_pos])
-                if extended.hexdigest() == header.content:
-                    best = (header, extended)
-            if best is None:
+            while starts and starts[0] <= covered:
+                start = starts.pop(0)
+                hasher.update(token_ids[hashed:start])
+                hashed = start
+                best = self._longest_at(namespace, token_ids, start, hasher, best)
+            if best is None or best.end_pos <= covered:
                 break
-            keys.append(best[0].key)
-            ends.append(best[0].end_pos)
-            position, hasher = best[0].end_pos, best[1]
-        return TierMatch(tuple(keys), tuple(ends), position)
+            keys.append(best.key)
+            chain_starts.append(best.start_pos)
+            ends.append(best.end_pos)
+            covered = best.end_pos
+        return TierMatch(tuple(keys), tuple(chain_starts), tuple(ends), covered)
+
+    def _longest_at(self, namespace: str, token_ids: list[int], start: int, hasher: PrefixHasher,
+                    best: EntryHeader | None) -> EntryHeader | None:
+        """The longest entry starting at `start` (`hasher` is at `start`) that matches the query,
+        if it ends after `best`."""
+        with self._lock:
+            candidates = [self._lru[key] for key in self._by_start.get((namespace, start, hasher.hexdigest()), ())
+                          if key in self._lru]
+        for header in sorted(candidates, key=lambda h: -h.end_pos):
+            if header.end_pos > len(token_ids) or (best is not None and header.end_pos <= best.end_pos):
+                continue
+            if hasher.copy().update(token_ids[start:header.end_pos]).hexdigest() == header.content:
+                return header
+        return best
 
     def prefetch(self, key: EntryKey) -> bool:
         """Start reading `key` on the reader thread (collect it with `get`); False when it is not
@@ -444,6 +465,8 @@ class DiskTier:
         self._by_namespace.setdefault(key.namespace, OrderedDict())[key] = header
         if header.exact:
             self._by_start.setdefault((key.namespace, header.start_pos, header.start_digest), set()).add(key)
+            starts = self._starts.setdefault(key.namespace, {})
+            starts[header.start_pos] = starts.get(header.start_pos, 0) + 1
         self._namespace_bytes[key.namespace] = self._namespace_bytes.get(key.namespace, 0) + header.file_size
         self._stored_bytes += header.file_size
 
@@ -454,10 +477,16 @@ class DiskTier:
         if not namespace_entries:
             del self._by_namespace[key.namespace]
         start = (key.namespace, header.start_pos, header.start_digest)
-        if start in self._by_start:
+        if header.exact:
             self._by_start[start].discard(key)
             if not self._by_start[start]:
                 del self._by_start[start]
+            starts = self._starts[key.namespace]
+            starts[header.start_pos] -= 1
+            if not starts[header.start_pos]:
+                del starts[header.start_pos]
+                if not starts:
+                    del self._starts[key.namespace]
         self._release_bytes(key.namespace, header.file_size)
         self._stored_bytes -= header.file_size
         return header
@@ -478,7 +507,7 @@ class DiskTier:
         namespace's own (its share), then anyone's (the budget); None if it cannot fit (the rest
         of the space is held by writes in flight, or the entry is larger than its share)."""
         namespace = key.namespace
-        chosen: list[EntryKey] = [key] if key in self._lru else []     # a session entry replaced
+        chosen: list[EntryKey] = [key] if key in self._lru else []     # replaced (a session, a longer run)
         freed = sum(self._lru[victim].file_size for victim in chosen)
         namespace_used = self._namespace_bytes.get(namespace, 0) - freed
         total_used = self._stored_bytes + sum(self._inflight.values()) - freed

@@ -302,6 +302,22 @@ def test_write_error_is_counted_and_reads_go_on(tmp_path, error_number, caplog):
         assert tier.stats().entries == 2
 
 
+def test_read_error_is_a_miss_and_the_entry_stays(tmp_path):
+    """EIO on a read may be passing: a miss, counted, the file kept for the next try."""
+    fs = FailingFileSystem(errno.EIO)
+    entry = prefix_entry("ns", TOKENS)
+    with open_tier(tmp_path, fs=fs) as tier:
+        tier.put(entry)
+        tier.wait_writes()
+        fs.failing_reads = True
+        assert tier.prefetch(entry.key)
+        assert tier.get(entry.key) is None
+        stats = tier.stats()
+        assert (stats.read_errors, stats.misses, stats.corrupt_dropped, stats.entries) == (1, 1, 0, 1)
+        fs.failing_reads = False
+        assert tier.get(entry.key) is not None
+
+
 def test_unwritable_directory_is_a_clear_error(tmp_path):
     """A path under a regular file cannot be a directory, even for root."""
     blocker = tmp_path / "a_file"
@@ -333,21 +349,51 @@ def test_malformed_entry_is_refused(tmp_path):
 
 
 def test_match_prefix_chains_entries(tmp_path):
-    """Radix-node-like runs [0,4) [4,10) [10,16) are found as one chain from any boundary."""
+    """Radix-node-like runs [0,4) [4,10) [10,16) and a shorter [4,7) are found as one chain, from
+    any position they cover."""
     with open_tier(tmp_path) as tier:
         for start, end in ((0, 4), (4, 10), (10, 16), (4, 7)):
             tier.put(prefix_entry("ns", TOKENS[:end], start_pos=start, seed=end))
         tier.wait_writes()
         match = tier.match_prefix("ns", TOKENS + [1, 2], start_pos=0)
-        assert match.length == 16 and match.ends == (4, 10, 16)
+        assert match.length == 16 and match.starts == (0, 4, 10) and match.ends == (4, 10, 16)
         assert tier.match_prefix("ns", TOKENS, start_pos=4).ends == (10, 16)
+        assert tier.match_prefix("ns", TOKENS, start_pos=5).starts == (4, 10)     # inside [4,10)
         assert tier.match_prefix("ns", TOKENS[:9], start_pos=4).ends == (7,)
-        assert tier.match_prefix("ns", TOKENS, start_pos=5).length == 5
+        assert tier.match_prefix("ns", TOKENS, start_pos=16).keys == ()
         diverged = TOKENS[:5] + [0] + TOKENS[6:]
         assert tier.match_prefix("ns", diverged).ends == (4,)
+        assert tier.match_prefix("ns", diverged, start_pos=2).length == 4
         assert tier.match_prefix("other", TOKENS).keys == ()
         for key, end in zip(match.keys, match.ends):
             assert tier.get(key, token_ids=TOKENS).end_pos == end
+
+
+def test_match_prefix_chains_overlapping_entries(tmp_path):
+    """An entry may start inside the previous one (the tree was split differently when each was
+    evicted): the chain still covers the query without a gap."""
+    with open_tier(tmp_path) as tier:
+        for start, end in ((0, 6), (3, 12), (12, 16)):
+            tier.put(prefix_entry("ns", TOKENS[:end], start_pos=start, seed=end))
+        tier.wait_writes()
+        match = tier.match_prefix("ns", TOKENS)
+    assert match.starts == (0, 3, 12) and match.ends == (6, 12, 16) and match.length == 16
+
+
+def test_same_prefix_is_kept_once_the_longer_run_wins(tmp_path):
+    with open_tier(tmp_path) as tier:
+        tier.put(prefix_entry("ns", TOKENS, start_pos=8))
+        tier.wait_writes()
+        assert tier.put(prefix_entry("ns", TOKENS, start_pos=10))             # covered: nothing written
+        tier.wait_writes()
+        assert tier.stats().writes == 1
+        longer = prefix_entry("ns", TOKENS, start_pos=2, seed=4)
+        tier.put(longer)
+        tier.wait_writes()
+        stats = tier.stats()
+        assert (stats.writes, stats.entries, stats.evictions, stats.bytes_used) == (2, 1, 0, entry_size(longer))
+        assert tier.get(longer.key).start_pos == 2
+        assert tier.match_prefix("ns", TOKENS, start_pos=9).starts == (2,)
 
 
 def test_config_validation_and_gb(tmp_path):

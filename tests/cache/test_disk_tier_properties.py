@@ -98,3 +98,39 @@ def test_namespace_isolation(puts, queries):
                         if loaded is not None:
                             assert loaded.key.namespace == other
                             assert torch.equal(loaded.kv, stored[key].kv)
+
+
+STORED_RUNS = st.lists(st.tuples(st.sampled_from(["a", "b"]), st.lists(st.integers(0, 1), min_size=1, max_size=8),
+                                 st.integers(0, 7)), max_size=12)
+
+
+@SETTINGS
+@given(runs=STORED_RUNS, query=st.lists(st.integers(0, 1), min_size=1, max_size=10), start_pos=st.integers(0, 9),
+       namespace=st.sampled_from(["a", "b"]))
+def test_match_prefix_covers_as_far_as_a_brute_force_search(runs, query, start_pos, namespace):
+    """Against a model: from start_pos, repeatedly take any stored entry of the namespace that
+    starts at or before the covered end, ends after it and whose tokens equal the query's."""
+    start_pos = min(start_pos, len(query))
+    with tempfile.TemporaryDirectory() as directory:
+        with open_tier(Path(directory), budget_bytes=10**7, write_queue_size=64) as tier:
+            stored = []
+            for run_namespace, tokens, start in runs:
+                start = min(start, len(tokens) - 1)
+                if tier.put(prefix_entry(run_namespace, tokens, start_pos=start)):
+                    stored.append((run_namespace, tokens, start))
+            tier.wait_writes()
+            match = tier.match_prefix(namespace, query, start_pos=start_pos)
+            covered = start_pos
+            while True:
+                ends = [len(tokens) for ns, tokens, start in stored if ns == namespace and start <= covered
+                        < len(tokens) and query[:len(tokens)] == tokens]
+                if not ends:
+                    break
+                covered = max(ends)
+            assert match.length == covered
+            previous_end = start_pos
+            for key, start, end in zip(match.keys, match.starts, match.ends):
+                assert key.namespace == namespace and start <= previous_end < end
+                entry = tier.get(key, token_ids=query)
+                assert entry is not None and (entry.start_pos, entry.end_pos) == (start, end)
+                previous_end = end

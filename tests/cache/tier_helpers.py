@@ -49,12 +49,18 @@ def entry_size(entry: TierEntry) -> int:
 
 class FailingFileSystem(LocalFileSystem):
     """A local file system whose writes fail with `error_number` while `failing` is set (a full
-    disk: ENOSPC, a broken one: EIO); reads still work."""
+    disk: ENOSPC, a broken one: EIO), and whose reads of whole files fail while `failing_reads`."""
 
     def __init__(self, error_number: int = errno.ENOSPC):
         self.error_number = error_number
         self.failing = False
+        self.failing_reads = False
         self.writes_attempted = 0
+
+    def read_file(self, path):
+        if self.failing_reads and path.suffix == ".kvt":
+            raise OSError(errno.EIO, "simulated: EIO", str(path))
+        return super().read_file(path)
 
     def write_atomic(self, path, chunks) -> None:
         self.writes_attempted += 1
