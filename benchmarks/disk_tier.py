@@ -8,7 +8,9 @@ of `--tokens` tokens is written to a tier under `--dir`, then loaded back and co
 pool's slots (what an engine does on a tier hit), `--repeats` times from the page cache ("warm")
 and with the file's pages dropped first ("cold": posix_fadvise DONTNEED, so the read goes to the
 disk). The same engine prefills a prompt of `--tokens` random tokens (max_tokens=1, prefix cache
-off), after a short warm-up prefill. Wall-clock seconds, median of the repeats for loads; prefill runs once (it is the slow part).
+off), after a short warm-up prefill. Wall-clock and CPU seconds of this process (CPU time counts
+less of what other processes on the machine take), median of the repeats for loads; prefill runs
+once (it is the slow part).
 """
 
 from __future__ import annotations
@@ -47,21 +49,22 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def time_loads(tier: DiskTier, entry: TierEntry, pool: KVPool, repeats: int, cold: bool) -> float:
-    """Median seconds of get() + copying the K/V into pool slots."""
+def time_loads(tier: DiskTier, entry: TierEntry, pool: KVPool, repeats: int, cold: bool) -> tuple[float, float]:
+    """Median wall and CPU seconds of get() + copying the K/V into pool slots."""
     path = next(tier.config.dir.glob("entries/*/*.kvt"))
     slots = torch.arange(entry.num_tokens)
-    seconds = []
+    wall, cpu = [], []
     for _ in range(repeats):
         if cold:
             drop_page_cache(path)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         loaded = tier.get(entry.key, token_ids=entry.token_ids)
         pool.k[:, slots] = loaded.kv[:, 0]
         pool.v[:, slots] = loaded.kv[:, 1]
-        seconds.append(time.perf_counter() - started)
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
     assert torch.equal(pool.k[:, slots], entry.kv[:, 0])
-    return statistics.median(seconds)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main() -> None:
@@ -78,27 +81,30 @@ def main() -> None:
     kv = torch.randn(identity.num_layers, 2, args.tokens, identity.num_kv_heads, identity.head_dim).to(dtype)
     entry = TierEntry(EntryKey.for_prefix("bench", token_ids), token_ids, 0, kv)
     pool = KVPool(args.tokens, identity.num_layers, identity.num_kv_heads, identity.head_dim, dtype=dtype)
+    llm = LLM(model=args.model, dtype=args.dtype, prefix_cache=False, num_slots=args.tokens + 64)
+    warm_up = torch.randint(1000, 40000, (min(args.tokens, 128),)).tolist()
+    llm.generate(warm_up, SamplingParams(max_tokens=1, temperature=0.0))    # kernels picked, caches warm
+    started, started_cpu = time.perf_counter(), time.process_time()
+    llm.generate(token_ids.tolist(), SamplingParams(max_tokens=1, temperature=0.0))
+    prefill_s, prefill_cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
+    del llm
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         with DiskTier(DiskTierConfig(Path(directory), budget_bytes=1 << 31), identity) as tier:
             started = time.perf_counter()
             tier.put(entry)
             tier.wait_writes()
             write_s = time.perf_counter() - started
-            warm_s = time_loads(tier, entry, pool, args.repeats, cold=False)
-            cold_s = time_loads(tier, entry, pool, args.repeats, cold=True)
+            warm = time_loads(tier, entry, pool, args.repeats, cold=False)
+            cold = time_loads(tier, entry, pool, args.repeats, cold=True)
             size = tier.stats().bytes_used
-    llm = LLM(model=args.model, dtype=args.dtype, prefix_cache=False, num_slots=args.tokens + 64)
-    warm_up = torch.randint(1000, 40000, (min(args.tokens, 256),)).tolist()
-    llm.generate(warm_up, SamplingParams(max_tokens=1, temperature=0.0))    # kernels picked, caches warm
-    started = time.perf_counter()
-    llm.generate(token_ids.tolist(), SamplingParams(max_tokens=1, temperature=0.0))
-    prefill_s = time.perf_counter() - started
     print(f"{identity.num_layers} layers x {identity.num_kv_heads} KV heads x {identity.head_dim}, {dtype}, "
           f"{args.tokens} tokens: entry {size / 2**20:.1f} MiB, {torch.get_num_threads()} threads")
-    print(f"write (background)  {write_s * 1000:9.1f} ms")
-    print(f"load warm + copy    {warm_s * 1000:9.1f} ms   prefill / load = {prefill_s / warm_s:7.1f}x")
-    print(f"load cold + copy    {cold_s * 1000:9.1f} ms   prefill / load = {prefill_s / cold_s:7.1f}x")
-    print(f"prefill             {prefill_s * 1000:9.1f} ms")
+    print(f"{'':18s} {'wall ms':>10s} {'CPU ms':>10s} {'prefill/this (wall, CPU)':>26s}")
+    print(f"{'write (background)':18s} {write_s * 1000:10.1f}")
+    for name, (wall_s, cpu_s) in (("load warm + copy", warm), ("load cold + copy", cold)):
+        print(f"{name:18s} {wall_s * 1000:10.1f} {cpu_s * 1000:10.1f} "
+              f"{prefill_s / wall_s:12.1f}x {prefill_cpu_s / max(cpu_s, 1e-9):12.1f}x")
+    print(f"{'prefill':18s} {prefill_s * 1000:10.1f} {prefill_cpu_s * 1000:10.1f}")
 
 
 if __name__ == "__main__":
