@@ -305,7 +305,8 @@ class DiskTier:
 
     def flush(self, namespace: str | None = None) -> int:
         """Remove every entry of `namespace` (all namespaces when None), stored or being written;
-        return how many stored entries went. Reads and writes go on meanwhile."""
+        return how many stored entries went. The files are unlinked while the tier's lock is held
+        (a rare, administrative call: puts wait for it)."""
         with self._lock:
             if namespace is None:
                 self._epoch += 1
@@ -316,12 +317,11 @@ class DiskTier:
             for key in keys:
                 self._unindex(key)
                 self._pending.pop(key, None)
-        root = self.config.dir / ENTRIES_DIR
-        dirs = self._list(root) if namespace is None else [namespace_dir(namespace)]
-        for name in dirs:
-            for file_name in self._list(root / name):
-                if file_name.endswith(ENTRY_SUFFIX):
-                    self._remove(root / name / file_name)
+            for key in keys:
+                # under the lock, so no later put of the same key can be writing it yet; a write
+                # from before this flush removes its own file when it ends (its generation is old)
+                if key not in self._inflight:
+                    self._remove(self._path(key))
         return len(keys)
 
     def stats(self) -> TierStats:

@@ -76,6 +76,16 @@ class TierIdentity:
     format_version: int = TIER_FORMAT_VERSION
     extra: tuple[tuple[str, str], ...] = ()     # anything else that changes K/V (e.g. rope scaling)
 
+    @staticmethod
+    def of_model(model: str, config, dtype: torch.dtype, weight_format: str) -> "TierIdentity":
+        """The identity of a loaded model: `model` names its weights (path or sha256), `config` is
+        its `ModelConfig` (the pool's shapes; a hash of the whole config goes into `extra`, so a
+        change of RoPE, window or layer layout also changes the identity)."""
+        config_hash = hashlib.blake2b(repr(config).encode(), digest_size=16).hexdigest()
+        return TierIdentity(model=model, dtype=dtype_name(dtype), weight_format=weight_format,
+                            num_layers=config.num_kv_layers, num_kv_heads=config.num_kv_heads,
+                            head_dim=config.head_dim, extra=(("model_config", config_hash),))
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsplice.cache.disk_tier import DiskTierConfig, DiskTierError
-from kvsplice.cache.tier_format import EntryKey, namespace_dir, namespace_name
+from kvsplice.cache.tier_format import EntryKey, TierIdentity, namespace_dir, namespace_name
 from tests.cache.tier_helpers import (BlockingFileSystem, FailingFileSystem, entry_size, identity, open_tier,
                                       prefix_entry, session_entry)
 
@@ -468,3 +468,16 @@ def test_sigkill_while_writing_leaves_a_consistent_tier(tmp_path):
             assert tier.get(key) is not None
         assert tier.stats().misses == 0
     assert not list(tmp_path.glob("entries/*/.*.tmp"))
+
+
+def test_identity_of_model_changes_with_the_config():
+    from kvsplice.models.config import ModelConfig
+    hf = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rope_theta": 10000.0}
+    first = TierIdentity.of_model("m", ModelConfig.from_hf_config(hf), torch.bfloat16, "dense")
+    assert (first.num_layers, first.num_kv_heads, first.head_dim, first.dtype) == (3, 2, 16, "bfloat16")
+    assert first == TierIdentity.of_model("m", ModelConfig.from_hf_config(dict(hf)), torch.bfloat16, "dense")
+    other_rope = TierIdentity.of_model("m", ModelConfig.from_hf_config({**hf, "rope_theta": 500000.0}),
+                                       torch.bfloat16, "dense")
+    assert other_rope != first and other_rope.digest() != first.digest()
+    assert TierIdentity.from_json(first.to_json()) == first
