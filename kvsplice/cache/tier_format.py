@@ -331,8 +331,8 @@ def header_bytes_needed(head: bytes) -> int:
 
 def decode_entry(buffer: memoryview, identity: TierIdentity, key: EntryKey) -> TierEntry:
     """Verify a whole entry file read into `buffer` and return its entry (tensors are views of
-    `buffer`, which must be writable). Raises CorruptEntryError on any mismatch: length, checksum, identity, key, shapes,
-    or (for exact entries) token ids that do not hash to the key."""
+    `buffer`, which must be writable). Raises CorruptEntryError on any mismatch: length,
+    checksum, identity, key, shapes, or (for exact entries) token ids that do not hash to the key."""
     header = parse_header(buffer, file_size=len(buffer))
     if checksum([buffer[:-CHECKSUM.size]]) != bytes(buffer[-CHECKSUM.size:]):
         raise CorruptEntryError("checksum mismatch")

@@ -134,3 +134,40 @@ def test_match_prefix_covers_as_far_as_a_brute_force_search(runs, query, start_p
                 entry = tier.get(key, token_ids=query)
                 assert entry is not None and (entry.start_pos, entry.end_pos) == (start, end)
                 previous_end = end
+
+
+def test_threads_putting_loading_and_flushing_never_see_wrong_kv(tmp_path):
+    """Several threads put, prefetch, get and flush at once under a tight budget: every hit is
+    exactly what was put under its key, and the budget holds throughout."""
+    budget = 6 * entry_size(prefix_entry("a", list(range(8))))
+    fs = MeasuringFileSystem(tmp_path)
+    expected = {}
+    failures = []
+    with open_tier(tmp_path, budget_bytes=budget, fs=fs, write_queue_size=4) as tier:
+        def worker(worker_id: int) -> None:
+            try:
+                for step in range(60):
+                    namespace = NAMESPACES[(worker_id + step) % 3]
+                    tokens = [worker_id, step % 7] + [1] * (step % 6)
+                    entry = prefix_entry(namespace, tokens, seed=100 * worker_id + step % 42)   # one K/V per key
+                    expected[entry.key] = entry.kv
+                    tier.put(entry)
+                    tier.prefetch(entry.key)
+                    loaded = tier.get(entry.key, token_ids=tokens)
+                    if loaded is not None and not torch.equal(loaded.kv, expected[entry.key]):
+                        failures.append(entry.key)
+                    if step % 25 == 24:
+                        tier.flush(namespace)
+                    assert tier.stats().bytes_used <= budget
+            except Exception as error:          # surfaced below: a thread's assert is otherwise lost
+                failures.append(error)
+        threads = [threading.Thread(target=worker, args=(worker_id,)) for worker_id in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        tier.wait_writes()
+        stats = tier.stats()
+        assert stats.corrupt_dropped == 0 and stats.write_errors == 0
+        assert sum(path.stat().st_size for path in tmp_path.glob("entries/*/*.kvt")) == stats.bytes_used
+    assert not failures and fs.max_bytes <= budget
