@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvsplice.cache.disk_tier import DiskTier, DiskTierConfig
+from kvsplice.cache.disk_tier import DiskTier, DiskTierConfig, kv_into_pool
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.tier_format import EntryKey, TierEntry, TierIdentity, dtype_name
 from kvsplice.engine.llm import LLM, resolve_auto_dtype
@@ -59,8 +59,7 @@ def time_loads(tier: DiskTier, entry: TierEntry, pool: KVPool, repeats: int, col
             drop_page_cache(path)
         started, started_cpu = time.perf_counter(), time.process_time()
         loaded = tier.get(entry.key, token_ids=entry.token_ids)
-        pool.k[:, slots] = loaded.kv[:, 0]
-        pool.v[:, slots] = loaded.kv[:, 1]
+        kv_into_pool(pool, slots, loaded.kv)
         wall.append(time.perf_counter() - started)
         cpu.append(time.process_time() - started_cpu)
     assert torch.equal(pool.k[:, slots], entry.kv[:, 0])

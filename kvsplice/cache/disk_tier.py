@@ -40,6 +40,7 @@ from typing import Sequence
 
 import torch
 
+from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.tier_format import (ENTRY_SUFFIX, CorruptEntryError, EntryHeader, EntryKey,
                                         PrefixHasher, TierEntry, TierIdentity, build_header, checksum,
                                         decode_entry, encode_payload, header_bytes_needed, namespace_dir,
@@ -628,6 +629,19 @@ class DiskTier:
             self.fs.remove(path)
         except OSError as error:
             logger.warning("KV disk tier: could not remove %s (%s)", path, error)
+
+
+def kv_from_pool(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    """The K/V of `slots` (in token order) as one fresh tensor [layers, 2, tokens, kv_heads,
+    head_dim] on the CPU: what a `TierEntry` holds (safe to hand to `put`: the pool may reuse
+    the slots at once)."""
+    return torch.stack((pool.k[:, slots], pool.v[:, slots]), dim=1).cpu()
+
+
+def kv_into_pool(pool: KVPool, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Copy a loaded entry's K/V (or a slice of its tokens) into `slots` of the pool."""
+    pool.k[:, slots] = kv[:, 0].to(pool.k.device)
+    pool.v[:, slots] = kv[:, 1].to(pool.v.device)
 
 
 def _tokens_match(entry: TierEntry, token_ids: Sequence[int] | torch.Tensor | None) -> bool:
