@@ -12,8 +12,8 @@ import torch
 
 from kvsplice.cache.disk_tier import DiskTierConfig, DiskTierError, kv_from_pool, kv_into_pool
 from kvsplice.cache.tier_format import EntryKey, TierEntry, TierIdentity, namespace_dir, namespace_name
-from tests.cache.tier_helpers import (HEAD_DIM, KV_HEADS, LAYERS, BlockingFileSystem, FailingFileSystem, entry_size, identity, open_tier,
-                                      prefix_entry, session_entry)
+from tests.cache.tier_helpers import (HEAD_DIM, KV_HEADS, LAYERS, BlockingFileSystem, FailingFileSystem,
+                                      entry_size, identity, open_tier, prefix_entry, session_entry)
 
 TOKENS = list(range(100, 116))
 
