@@ -18,6 +18,8 @@ Guarantees:
   the directory when its header names the same model identity (leftover temporaries removed,
   torn or corrupt files dropped and counted), and old entries are discarded, counted and logged,
   never loaded, when it does not.
+- one tier per directory: a second one (another server on the same DIR) fails at start, since
+  each would count only its own files against the budget; the lock dies with its process.
 - off the step loop: `put` returns at once (the bounded writer queue drops and counts when full),
   `prefetch` starts a read on the reader thread and `get` waits for it; I/O errors (ENOSPC, EIO)
   are counted and logged, never raised into the caller. Only misuse raises (a malformed entry).
@@ -50,6 +52,7 @@ from kvsplice.cache.tier_fs import LocalFileSystem, TierFileSystem, is_temp_name
 logger = logging.getLogger(__name__)
 
 HEADER_FILE = "tier.json"
+LOCK_FILE = "tier.lock"
 ENTRIES_DIR = "entries"
 HEAD_READ_BYTES = 4096
 
@@ -353,6 +356,7 @@ class DiskTier:
         self._queue.put(_Stop())
         self._writer.join()
         self._reader.shutdown(wait=True)
+        self._dir_lock.release()
 
     def __enter__(self) -> "DiskTier":
         return self
@@ -368,6 +372,20 @@ class DiskTier:
             self.fs.make_dirs(root)
         except OSError as error:
             raise DiskTierError(f"cannot use {self.config.dir} as the KV disk tier: {error}") from error
+        try:
+            # one tier per directory: two would each count only their own writes against the budget
+            self._dir_lock = self.fs.lock_exclusive(self.config.dir / LOCK_FILE)
+        except BlockingIOError:
+            raise DiskTierError(f"the KV disk tier {self.config.dir} is in use by another server") from None
+        except OSError as error:
+            raise DiskTierError(f"cannot lock the KV disk tier {self.config.dir}: {error}") from error
+        try:
+            self._open_entries(root, header_path)
+        except BaseException:
+            self._dir_lock.release()
+            raise
+
+    def _open_entries(self, root: Path, header_path: Path) -> None:
         if self._stored_identity(header_path) == self.identity:
             self._rebuild_index(root)
         else:

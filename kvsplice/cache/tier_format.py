@@ -3,6 +3,7 @@
 Layout of a tier directory (`DiskTierConfig.dir`):
 
     DIR/tier.json                       the model identity (`TierIdentity`), written atomically
+    DIR/tier.lock                       flock'ed by the one process using the directory
     DIR/entries/<ns>/<content>.kvt      one entry; <ns> = namespace_dir(namespace), <content> = key hex
     DIR/entries/<ns>/.<content>.*.tmp   a write in progress (left behind by a kill: removed at start)
 

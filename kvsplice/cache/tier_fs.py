@@ -13,6 +13,7 @@ steps; the entry's length and checksum catch it on load.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 from pathlib import Path
@@ -35,6 +36,11 @@ class TierFileSystem(Protocol):
     def remove(self, path: Path) -> None: ...
     def remove_dir(self, path: Path) -> None: ...
     def touch(self, path: Path) -> None: ...
+    def lock_exclusive(self, path: Path) -> "DirLock": ...
+
+
+class DirLock(Protocol):
+    def release(self) -> None: ...
 
 
 def temp_name(path: Path) -> Path:
@@ -106,3 +112,27 @@ class LocalFileSystem:
 
     def touch(self, path: Path) -> None:
         os.utime(path)
+
+    def lock_exclusive(self, path: Path) -> "FileLock":
+        """An exclusive lock on `path` (created if missing) for as long as this process holds it
+        (the kernel drops it when the process dies, even by SIGKILL). Raises BlockingIOError when
+        another holder has it."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise
+        return FileLock(fd)
+
+
+class FileLock:
+    """A held `flock`; `release` drops it."""
+
+    def __init__(self, fd: int):
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)              # closing the descriptor drops the flock
+            self._fd = None

@@ -328,6 +328,14 @@ def test_unwritable_directory_is_a_clear_error(tmp_path):
         open_tier(blocker)
 
 
+def test_one_tier_per_directory(tmp_path):
+    with open_tier(tmp_path):
+        with pytest.raises(DiskTierError, match="in use by another server"):
+            open_tier(tmp_path)
+    with open_tier(tmp_path) as tier:                    # closed: the directory is free again
+        assert tier.stats().entries == 0
+
+
 def test_header_write_failure_is_a_clear_error(tmp_path):
     fs = FailingFileSystem(errno.EROFS)
     fs.failing = True
