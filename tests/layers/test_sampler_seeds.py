@@ -78,3 +78,25 @@ def test_top_p_keeps_every_token_tied_with_the_last_kept_one():
     for order in ([4, 3, 2, 1, 0], [2, 0, 4, 1, 3]):
         permuted = filtered_probs(logits[order].unsqueeze(0), [params])[0]
         assert torch.equal(permuted > 0, kept[order])
+
+
+def test_processed_logits_of_a_row_do_not_depend_on_the_batch():
+    from kvsplice.layers.logits_processors import LogitsState, accept_tokens, process_logits
+    vocab = 64
+    kinds = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, logit_bias=((3, 2.0),), seed=1),
+             SamplingParams(presence_penalty=1.0, min_tokens=4), None,
+             SamplingParams(logit_bias=((7, -5.0), (3, 1.5)), frequency_penalty=-0.2)]
+
+    def states():
+        return [LogitsState.create(p, [1, 2, 3, 9], vocab, [0]) if p is not None else None for p in kinds]
+
+    rng = torch.Generator().manual_seed(14)
+    alone_states, batch_states = states(), states()
+    for step in range(6):
+        logits = torch.randn(len(kinds), vocab, generator=rng)
+        batched = process_logits(logits, batch_states)
+        tokens = [(5 * step + row) % vocab for row in range(len(kinds))]
+        accept_tokens(batch_states, tokens)
+        alone = process_logits(logits[:1], alone_states[:1])
+        accept_tokens(alone_states[:1], tokens[:1])
+        assert torch.equal(alone[0], batched[0])
