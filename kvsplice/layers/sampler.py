@@ -96,11 +96,15 @@ def _mask_top_p(scaled: Tensor, params: Sequence[SamplingParams]) -> None:
     """In place: per row with top_p < 1, keep token i (in descending order) while the mass of the
     tokens strictly before it is < top_p -- HF's "drop the tail whose cumulative mass is <= 1 - top_p"
     -- on the already top-k-masked (so renormalised) distribution; the most likely token always stays.
+    Tokens tied with the last kept one are kept too (as top-k keeps ties with the k-th), so the kept
+    set is a threshold on the probability: it does not depend on how a sort orders equal values,
+    hence not on the other rows of the batch.
 
     Sorting the whole vocabulary is the slow part, so only the most likely candidates are sorted:
     all finite ones when every row has top_k, else the top _TOP_P_CANDIDATES, falling back to a full
     sort when their mass is below some row's top_p. Exact either way: a token after the candidates
-    has at least their mass before it, which is >= top_p, so it would be dropped.
+    has at least their mass before it, which is >= top_p, so it would be dropped; and the sorted
+    values' prefix (so its running mass, a sequential cumsum) is the same whichever sort ran.
     """
     rows = _rows_where(params, lambda p: p.top_p < 1.0)
     if not rows:
@@ -112,12 +116,13 @@ def _mask_top_p(scaled: Tensor, params: Sequence[SamplingParams]) -> None:
         candidates = int(torch.isfinite(subset).sum(dim=-1).max().clamp(min=1))
     else:
         candidates = min(_TOP_P_CANDIDATES, subset.shape[1])
-    sorted_probs, sorted_order = probs.topk(candidates, dim=-1, sorted=True)
+    sorted_probs = probs.topk(candidates, dim=-1, sorted=True).values
     if bool((sorted_probs.sum(dim=-1, keepdim=True) < top_p).any()):
-        sorted_probs, sorted_order = probs.sort(dim=-1, descending=True)
+        sorted_probs = probs.sort(dim=-1, descending=True).values
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep = torch.zeros_like(subset, dtype=torch.bool).scatter_(1, sorted_order, mass_before < top_p)
-    scaled[rows] = subset.masked_fill(~keep, float("-inf"))
+    kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
+    threshold = sorted_probs.gather(1, kept - 1)
+    scaled[rows] = subset.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_min_p(probs: Tensor, params: Sequence[SamplingParams]) -> Tensor:
@@ -152,7 +157,8 @@ def filtered_probs_reference(logits_row: Tensor, params: SamplingParams) -> Tens
     """Plain per-row version of `filtered_probs` for one row [V]; the tests' reference.
 
     Same order and tie rules: temperature, top-k (ties with the k-th kept), top-p (keep while the
-    mass before the token is < top_p, in descending order), min-p (prob >= min_p * max prob).
+    mass before the token is < top_p, in descending order; ties with the last kept one kept), min-p
+    (prob >= min_p * max prob).
     """
     scaled = logits_row.float() / params.temperature
     vocab = scaled.shape[0]
@@ -162,14 +168,13 @@ def filtered_probs_reference(logits_row: Tensor, params: SamplingParams) -> Tens
     if params.top_p < 1.0:
         probs = torch.softmax(scaled, dim=-1)
         order = torch.argsort(probs, descending=True).tolist()
-        mass_before = 0.0
-        keep = torch.zeros(vocab, dtype=torch.bool)
+        mass_before, last_kept = 0.0, order[0]
         for token_id in order:
             if mass_before >= params.top_p:
                 break
-            keep[token_id] = True
+            last_kept = token_id
             mass_before += probs[token_id].item()
-        scaled = torch.where(keep.to(scaled.device), scaled, float("-inf"))
+        scaled = torch.where(probs >= probs[last_kept], scaled, float("-inf"))   # ties with it kept
     probs = torch.softmax(scaled, dim=-1)
     if params.min_p > 0:
         probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
