@@ -209,8 +209,10 @@ class Harness:
     state a fresh engine has after prefilling turn 1's prompt (exact K/V either way).
     """
 
-    def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None):
-        self.reference = build_engine(EngineConfig(model=model, prefix_cache=False, num_slots=POOL_SLOTS))
+    def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None,
+                 dtype: str = "float32"):
+        self.reference = build_engine(EngineConfig(model=model, prefix_cache=False, num_slots=POOL_SLOTS,
+                                                   dtype=dtype))   # every engine shares its Decoder's dtype
         self.tokenizer = self.reference.tokenizer
         self.gen_tokens = gen_tokens
         self.base = base or ReuseConfig()
@@ -508,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-target", type=float, default=DEFAULT_KL_TARGET,
                         help="mean KL the report checks the chosen setting against (nats)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared after turn 2")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
+                        help="compute dtype of SCR and of the exact reference alike (edits task)")
     return parser
 
 
@@ -579,7 +583,7 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
                            removed_seams=args.removed_seams, policy_seams=args.policy_seams,
                            openings=args.openings)
     settings += [st for st in front if st.label not in {s.label for s in settings}]
-    harness = Harness(args.model, gen_tokens=args.gen_tokens)
+    harness = Harness(args.model, gen_tokens=args.gen_tokens, dtype=args.dtype)
     started = time.perf_counter()
     results, summaries = run_sweep(harness, settings, cases, anchor=not args.no_anchor)
     anchors = [] if args.no_anchor else summaries[len(settings):]
