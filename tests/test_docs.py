@@ -227,3 +227,19 @@ def test_no_measured_figures_in_code_docstrings_or_comments():
              for line, text in docstrings_and_comments(path) if MEASURED_FIGURE.search(text)]
     assert not found, ("measured figures belong in docs/BENCHMARKS.md (or docs/BENCHMARKS_HISTORY.md); "
                        f"point to the section instead: {found}")
+
+
+# a pointer from code to a benchmark section: BENCHMARKS.md, "Title" (and "Other title")
+SECTION_POINTER = re.compile(r'(BENCHMARKS(?:_HISTORY)?\.md),? ((?:"[^"]+"(?:,? and |, )?)+)')
+
+
+def test_benchmark_sections_named_in_code_exist():
+    headings = {page: {line[3:].strip() for line in (DOCS / page).read_text().splitlines() if line.startswith("## ")}
+                for page in ("BENCHMARKS.md", "BENCHMARKS_HISTORY.md")}
+    missing = []
+    for path in sorted((ROOT / "kvsplice").rglob("*.py")):
+        text = " ".join(re.sub(r"\n\s*#\s?", " ", path.read_text()).split())  # comments joined, as prose
+        for page, titles in SECTION_POINTER.findall(text):
+            missing += [f"{path.relative_to(ROOT)}: {page}, {title!r}" for title in re.findall(r'"([^"]+)"', titles)
+                        if title not in headings[page]]
+    assert not missing, f"no such section: {missing}"
