@@ -6,8 +6,9 @@ and every decoding request waits for them: a step with a prefill chunk beside a 
 several decode-only steps (docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's llama-server on the
 same GGUF"). Most of it is paid again by every step of a chunked prefill: reading the weights in
 bf16 (as costly at 16 rows as at 1) and the chunk's attention over its whole context. With a
-lane, decode steps run alone on the engine thread and the prefill goes on the lane's thread in chunks of up to `max_batch_tokens`, which read the weights once for
-many tokens and never hold a decode step back.
+lane, decode steps run alone on the engine thread and the prefill goes on the lane's thread in
+chunks of up to `max_batch_tokens`, which read the weights once for many tokens and never hold a
+decode step back.
 
     engine thread (N - L threads):  decode | decode | decode | decode | decode | decode ...
     lane thread   (L threads):      [ prefill job: chunks, up to max_batch_tokens ] [ next job ]

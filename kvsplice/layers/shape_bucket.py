@@ -2,9 +2,9 @@
 
 On CPU, oneDNN matmuls and the brgemm kernels of `scaled_dot_product_attention` in bf16 / fp16
 are generated for each shape they see, and their code is kept for the life of the process
-(docs/BENCHMARKS_HISTORY.md, "Soak: hostile and ordinary traffic against one server"). A server sees any row count up to
---max-batch-tokens and any context length, so without rounding its memory grows with every new
-shape for hours. Callers pad to `bucket(n)` (zero rows, or keys masked out) and slice the result:
+(docs/BENCHMARKS_HISTORY.md, "Soak: hostile and ordinary traffic against one server"). A server
+sees any row count up to --max-batch-tokens and any context length, so without rounding its
+memory grows with every new shape for hours. Callers pad to `bucket(n)` (zero rows, or keys masked out) and slice the result:
 
     n          1  2  3  4  5..8  9..16  ...  33..64   65..128  129..192  ...
     bucket(n)  1  2  4  4  8     16          64       128      192        (multiples of BUCKET)
