@@ -182,8 +182,8 @@ def move_keys(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, inv
     bf16 / fp16 keys: a forward rounds the rotated key once, round(R(p) k_proj), where the
     projection k_proj is itself a bf16 / fp16 output, i.e. a point of that grid. Turning the
     rounded key by the delta and rounding again, round(R(d) round(R(p) k_proj)), carries the first
-    rounding along and adds a second one to every element (measured on SmolLM2-135M: 0.3 bf16 ulp
-    rms per element, KL ~1e-3 at the answer position). Instead the key is turned back to the
+    rounding along and adds a second one to every element (docs/BENCHMARKS_HISTORY.md,
+    "Figures formerly quoted in code"). Instead the key is turned back to the
     projection's grid and rounded there, which recovers k_proj exactly in most elements (the
     rounding error of the stored key is under half a grid step of the element), then rotated by
     the destination's own tables and rounded once, as the forward at dst_pos does:
