@@ -397,21 +397,31 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt`: a string, a list of token ids, or a one-element list of either
-    (several prompts in one request are refused with 400: send one request per prompt). `best_of`
-    may only repeat `n` (choosing the best of more choices than are returned is not supported)."""
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a batch: at
+    most `max_prompts` prompts, each answered with its own `n` choices). `best_of` may only repeat `n`
+    (choosing the best of more choices than are returned is not supported)."""
 
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-        {"type": "array", "minItems": 1, "maxItems": 1,
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1,
          "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
     message_offsets: Optional[list[StrictInt]] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, prompt: Any, info: ValidationInfo) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("must not be empty")
+        limit = request_limits(info).max_prompts
+        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > limit:
+            raise ValueError(f"at most {limit} prompts per request are allowed, got {len(prompt)}")
+        return prompt
 
     @field_validator("suffix")
     @classmethod
@@ -422,20 +432,16 @@ class CompletionRequest(_SamplingFields):
     def _completion_checks(self) -> "CompletionRequest":
         if self.best_of not in (None, self.n):
             raise ValueError(f"best_of: only best_of == n is supported, got best_of={self.best_of}, n={self.n}")
+        if self.message_offsets is not None and len(self.prompts()) > 1:
+            raise ValueError("message_offsets: only with a single prompt (they index one prompt's tokens)")
         return self
 
-    def single_prompt(self) -> Union[str, list[int]]:
-        """The one prompt of the request; ValueError for an empty or multi-prompt list."""
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The request's prompts in order: one for a string or a list of token ids, else the list's entries."""
         prompt = self.prompt
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
-            raise ValueError("prompt: must not be empty")
-        if isinstance(prompt[0], int):
-            return list(prompt)
-        if len(prompt) != 1:
-            raise ValueError(f"prompt: one prompt per request is supported, got a list of {len(prompt)}")
-        return prompt[0]
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
 
 class GenerateSamplingParams(_Request):
