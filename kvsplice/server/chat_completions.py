@@ -71,7 +71,8 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
     await compile_constraint(state, constraint, constraint_param)
     try:
         prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools,
-                                             body.chat_template_kwargs)
+                                             body.chat_template_kwargs, body.add_generation_prompt,
+                                             bool(body.continue_final_message))
     except ChatTemplateError as error:
         raise ApiError(400, str(error), param=error.param) from error
     budget = max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
@@ -79,7 +80,8 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
     params = openai_sampling(body, budget, top_n if body.logprobs else None, None, constraint,
                              tools.keep_special_tokens)
     offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
-                                      body.chat_template_kwargs) if state.wants_message_offsets else None
+                                      body.chat_template_kwargs, body.add_generation_prompt,
+                                      bool(body.continue_final_message)) if state.wants_message_offsets else None
     choices, prefill = await submit_choices(state, request, body, "chat", rid, prompt_ids, params, body.n, offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     fmt = ReplyFormat(state.settings.reasoning_parser, tools, state.chat.parser)

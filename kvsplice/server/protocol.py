@@ -266,7 +266,7 @@ class _SamplingFields(_OpenAIRequest):
     _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
     _id_limits = field_validator("cache_salt", "session_id")(_check_id)
 
-    @field_validator("no_stop_trim", "continue_final_message", "return_hidden_states")
+    @field_validator("no_stop_trim", "return_hidden_states")
     @classmethod
     def _sglang_off(cls, value: Optional[bool], info) -> Optional[bool]:
         return _refuse_unless_neutral(f"{info.field_name}: true", value, (None, False))
@@ -292,7 +292,10 @@ class _SamplingFields(_OpenAIRequest):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions. `max_completion_tokens` (newer OpenAI name) wins over `max_tokens`."""
+    """POST /v1/chat/completions. `max_completion_tokens` (newer OpenAI name) wins over `max_tokens`.
+    `add_generation_prompt` (default true) opens the assistant's turn after the messages;
+    `continue_final_message` (vLLM) instead leaves the final message, an assistant one, open for the
+    reply to continue (assistant prefill); both true is refused."""
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Optional[StrictInt] = None
@@ -302,6 +305,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: StrictBool = True
     # accepted and ignored: they change nothing about the answer
     metadata: Optional[dict[str, str]] = None
     safety_identifier: Optional[str] = None
@@ -393,6 +397,13 @@ class ChatCompletionRequest(_SamplingFields):
         if self.message_offsets is not None:
             raise ValueError("message_offsets: not accepted on chat completions (the server computes them "
                              "from the messages)")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message: cannot be combined with add_generation_prompt: true "
+                                 "(set add_generation_prompt to false to continue the final message)")
+            if self.messages[-1].role != "assistant":
+                raise ValueError(f"continue_final_message: the final message must be an assistant message, "
+                                 f"got role {self.messages[-1].role!r}")
         return self
 
 
@@ -422,6 +433,12 @@ class CompletionRequest(_SamplingFields):
         if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > limit:
             raise ValueError(f"at most {limit} prompts per request are allowed, got {len(prompt)}")
         return prompt
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_chat_message(cls, value: Optional[bool]) -> Optional[bool]:
+        return _refuse_unless_neutral("continue_final_message: true (there is no chat message to continue)",
+                                      value, (None, False))
 
     @field_validator("suffix")
     @classmethod

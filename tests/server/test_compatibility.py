@@ -44,6 +44,9 @@ ACCEPTED = {
     "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "safety_identifier": {"safety_identifier": "s"},
     "prompt_cache_key": {"prompt_cache_key": "k"}, "prompt_cache_retention": {"prompt_cache_retention": "24h"},
     "prompt_cache_options": {"prompt_cache_options": {}},
+    "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+                               "continue_final_message": True, "add_generation_prompt": False},
     "cache_salt": {"cache_salt": "salt"}, "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
 }
 REFUSED = {
