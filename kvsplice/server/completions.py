@@ -23,8 +23,10 @@ from kvsplice.server import protocol as p
 from kvsplice.server.choices import Choice, merge
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
-from kvsplice.server.sampling import (check_prompt_ids, compile_constraint, constraint_field, max_tokens,
-                                      openai_sampling, text_constraint)
+from kvsplice.server import extras
+from kvsplice.server.extras import finish_fields, generated_ids, running_usage, wants_continuous_usage
+from kvsplice.server.sampling import (check_prompt_ids, check_stop_token_ids, compile_constraint, constraint_field,
+                                      max_tokens, openai_sampling, text_constraint, truncate_prompt)
 from kvsplice.server.sse import stream_response
 from kvsplice.server.state import ServerState
 from kvsplice.server.tracking import (RequestTracker, collect, engine_extras, message_offsets, submit,
@@ -57,6 +59,7 @@ class _Prompt:
 
     prompt: Union[str, list[int]]
     prompt_ids: list[int]
+    params: SamplingParams
     choices: list[Choice]
     prefill: Optional[RequestTracker]
 
@@ -93,17 +96,26 @@ async def _start(state: ServerState, request: Request, body: p.CompletionRequest
         raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
     if body.echo and body.stream:
         raise ApiError(400, "echo is not supported with stream=true", param="echo")
+    if body.echo and body.truncate_prompt_tokens is not None:
+        raise ApiError(400, "truncate_prompt_tokens: not with echo (the echoed prompt would not be the one scored)",
+                       param="truncate_prompt_tokens")
+    check_stop_token_ids(state, body.stop_token_ids)
     constraint = text_constraint(body)
     await compile_constraint(state, constraint, constraint_field(body))
     score_only = body.max_tokens == 0
-    prompt_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
-    params = []
-    for ids in prompt_ids:
+    echo_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
+    wanted = [n for n in (echo_lps, body.prompt_logprobs) if n is not None]
+    prompt_lps = max(wanted) if wanted else None
+    params, cuts = [], []
+    for position, ids in enumerate(prompt_ids):
+        prompt_ids[position], cut = truncate_prompt(state, ids, body.truncate_prompt_tokens)
+        cuts.append(cut)
         # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
-        budget = max_tokens(state, len(ids), 1 if score_only else body.max_tokens, "prompt")
-        check_prompt_ids(state, ids, "prompt")
+        budget = max_tokens(state, len(prompt_ids[position]), 1 if score_only else body.max_tokens, "prompt")
+        check_prompt_ids(state, prompt_ids[position], "prompt")
         params.append(openai_sampling(body, budget, body.logprobs, prompt_lps, constraint))
-    offsets = message_offsets(body.message_offsets, len(prompt_ids[0]))
+    shifted = None if body.message_offsets is None else [o - cuts[0] for o in body.message_offsets if o > cuts[0]]
+    offsets = message_offsets(shifted, len(prompt_ids[0]))
     if len(prompt_ids) > 1 and prompt_lps is None:
         await _prefill_shared_prefix(state, request, body, rid, prompt_ids)
     submitted: list[_Prompt] = []
@@ -113,7 +125,7 @@ async def _start(state: ServerState, request: Request, body: p.CompletionRequest
             choices, prefill = await submit_choices(state, request, body, "completions", rid + suffix, ids,
                                                     prompt_params, body.n, offsets)
             choices = [Choice(position * body.n + c.index, c.tracker, c.outputs) for c in choices]
-            submitted.append(_Prompt(prompt, ids, choices, prefill))
+            submitted.append(_Prompt(prompt, ids, prompt_params, choices, prefill))
     except BaseException:
         for choice in (choice for entry in submitted for choice in entry.choices):
             await choice.outputs.aclose()
@@ -153,23 +165,33 @@ def _answer(completion: _Completion, body: p.CompletionRequest, tokenizer) -> di
 
 def _prompt_choices(prompt: _Prompt, completion: _Completion, body: p.CompletionRequest,
                     tokenizer) -> list[dict[str, Any]]:
-    """The answer's choices of one prompt."""
+    """The answer's choices of one prompt. An echoed prompt of token ids is decoded with its special
+    tokens, as `tokens` shows them, and the reply's `text_offset` starts where the echoed text ends."""
     prompt_ids, score_only = prompt.prompt_ids, completion.score_only
     prompt_lps = next((o.prompt_logprobs for o in prompt.first.outputs if o.prompt_logprobs), None)
     prompt_text = ""
     if body.echo:
-        prompt_text = prompt.prompt if isinstance(prompt.prompt, str) else tokenizer.decode(prompt_ids)
+        prompt_text = prompt.prompt if isinstance(prompt.prompt, str) else tokenizer.decode(
+            prompt_ids, skip_special_tokens=False)
+    top_n = body.logprobs or 0
+    echoed = list(zip(prompt_ids, prompt_lps or (None,) * len(prompt_ids))) if body.echo else []
     out = []
     for choice in prompt.choices:
         outs = [] if score_only else choice.tracker.outputs
         text = "".join(o.new_text for o in outs)
-        gen_lps = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
-        entries: list = []
-        if body.echo and body.logprobs is not None:
-            entries = list(zip(prompt_ids, prompt_lps or (None,) * len(prompt_ids)))
-        logprobs = _logprobs(tokenizer, entries + gen_lps, 0) if body.logprobs is not None else None
-        out.append({"index": choice.index, "text": prompt_text + text, "logprobs": logprobs,
-                    "finish_reason": "length" if score_only else choice.tracker.last.finish_reason})
+        logprobs = None
+        if body.logprobs is not None:
+            generated = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
+            logprobs = _joined(_logprobs(tokenizer, echoed, 0, top_n),
+                               _logprobs(tokenizer, generated, len(prompt_text), top_n))
+        reason = "length" if score_only else choice.tracker.last.finish_reason
+        entry = {"index": choice.index, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": reason,
+                 **finish_fields(tokenizer, prompt.params, prompt_ids, outs, reason)}
+        if body.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = extras.prompt_logprobs(tokenizer, prompt_ids, prompt_lps, body.prompt_logprobs)
+        if body.return_token_ids:
+            entry.update(prompt_token_ids=prompt_ids, token_ids=generated_ids(outs))
+        out.append(entry)
     return out
 
 
@@ -193,26 +215,46 @@ def _add_usage(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
 
 async def _chunks(completion: _Completion, body: p.CompletionRequest, tokenizer,
                   outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[dict[str, Any], None]:
-    """The `text_completion` chunk payloads: each choice's new text (and logprobs), then (when asked) usage."""
+    """The `text_completion` chunk payloads: each choice's new text (and logprobs; with return_token_ids
+    its new ids, the prompt's on its first chunk; the usage so far when continuous), then (when asked)
+    usage."""
     chunk_head = {**completion.head, "object": "text_completion"}
-    offsets = {choice.index: 0 for choice in completion.choices}
-    want_logprobs = body.logprobs is not None
+    prompts = {choice.index: (prompt, choice) for prompt in completion.prompts for choice in prompt.choices}
+    offsets = {index: 0 for index in prompts}
+    started: set[int] = set()
+    want_logprobs, continuous = body.logprobs is not None, wants_continuous_usage(body)
     async for index, out in outputs:
+        prompt, choice = prompts[index]
         logprobs = None
         if want_logprobs:
-            logprobs = _logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index])
+            logprobs = _logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index],
+                                 body.logprobs or 0)
         offsets[index] += len(out.new_text)
-        if out.new_text or out.finished or logprobs:
-            yield {**chunk_head, "choices": [{"index": index, "text": out.new_text, "logprobs": logprobs,
-                                              "finish_reason": out.finish_reason if out.finished else None}]}
+        if not (out.new_text or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
+            continue
+        reason = out.finish_reason if out.finished else None
+        entry = {"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason,
+                 "stop_reason": None, "matched_stop": None}
+        if out.finished:
+            entry.update(finish_fields(tokenizer, prompt.params, prompt.prompt_ids, choice.tracker.outputs, reason))
+        if body.return_token_ids:
+            entry["token_ids"] = list(out.new_token_ids)
+            if index not in started:
+                entry["prompt_token_ids"] = prompt.prompt_ids
+        started.add(index)
+        chunk = {**chunk_head, "choices": [entry]}
+        if continuous:
+            chunk["usage"] = running_usage(out)
+        yield chunk
     if wants_stream_usage(body):
         yield {**chunk_head, "choices": [], "usage": _usage(completion)}
 
 
-def _logprobs(tokenizer, lps, first_offset: int) -> dict[str, Any]:
+def _logprobs(tokenizer, lps, first_offset: int, top_n: int) -> dict[str, Any]:
     """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob} or None),
     text_offset (character offset of each token in the returned text, from `first_offset`). An entry of
-    `lps` may be None (the first prompt token): its logprob and top_logprobs are null."""
+    `lps` may be None (the first prompt token): its logprob and top_logprobs are null. `top_logprobs`
+    holds the `top_n` most likely tokens and, as vLLM's, the chosen one (so `logprobs: 0` gives just it)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = first_offset
     for token_id, lp in lps:
@@ -221,5 +263,15 @@ def _logprobs(tokenizer, lps, first_offset: int) -> dict[str, Any]:
         offsets.append(offset)
         offset += len(text)
         token_lps.append(None if lp is None else lp.logprob)
-        tops.append(None if lp is None else {tokenizer.token_str(t): v for t, v in lp.top})
+        if lp is None:
+            tops.append(None)
+            continue
+        top = {tokenizer.token_str(t): v for t, v in lp.top[:top_n]}
+        top.setdefault(text, lp.logprob)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
+    """Two `logprobs` objects as one (the echoed prompt's, then the reply's)."""
+    return {key: first[key] + second[key] for key in first}

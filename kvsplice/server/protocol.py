@@ -97,10 +97,12 @@ def _refuse_unless_neutral(name: str, value: Any, neutral: tuple = (None,)) -> A
 
 class StreamOptions(_OpenAIRequest):
     """OpenAI `stream_options`: `include_usage` adds a final chunk with `usage` and no choices;
-    `include_obfuscation` (random padding against side channels) is accepted and not needed here."""
+    `include_obfuscation` (random padding against side channels) is accepted and not needed here;
+    vLLM's `continuous_usage_stats` (with include_usage) puts the usage so far on every chunk too."""
 
     include_usage: StrictBool = False
     include_obfuscation: Optional[StrictBool] = None
+    continuous_usage_stats: StrictBool = False
 
 
 class FunctionDefinition(_OpenAIRequest):
@@ -254,6 +256,13 @@ class _SamplingFields(_OpenAIRequest):
     cache_salt: Optional[str] = None
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
+    # vLLM extras on the prompt and the answer
+    truncate_prompt_tokens: Optional[StrictInt] = None
+    prompt_logprobs: Optional[StrictInt] = None
+    return_token_ids: StrictBool = False
+    # SGLang extras: `regex` is guided_regex under SGLang's name; regex stops are not supported
+    regex: Optional[str] = None
+    stop_regex: Union[str, list[str], None] = None
     # SGLang fields sglang-router adds to every request it forwards, at their defaults (those are what
     # kvsplice does); any other value is refused
     no_stop_trim: Optional[StrictBool] = None
@@ -275,6 +284,27 @@ class _SamplingFields(_OpenAIRequest):
     @classmethod
     def _sglang_on(cls, value: Optional[bool], info) -> Optional[bool]:
         return _refuse_unless_neutral(f"{info.field_name}: false", value, (None, True))
+
+    @field_validator("stop_regex")
+    @classmethod
+    def _no_stop_regex(cls, value: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        if value not in (None, []):
+            raise ValueError("stop_regex is not supported by this server: stop strings only "
+                             "(see docs/COMPATIBILITY.md)")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, tokens: Optional[int]) -> Optional[int]:
+        if tokens is not None and tokens != -1 and tokens < 1:
+            raise ValueError(f"must be -1 (the context limit) or an int >= 1, got {tokens}")
+        return tokens
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> "_SamplingFields":
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true")
+        return self
 
     @field_validator("n")
     @classmethod
