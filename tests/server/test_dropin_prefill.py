@@ -139,3 +139,15 @@ def test_a_template_that_hides_the_final_message_is_a_400(hiding_server):
     response = chat(hiding_server, continue_final_message=True, add_generation_prompt=False)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_final_message_of_tool_calls_is_continued_after_the_calls(server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [PREFILL[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    response = chat(server, messages=messages, tools=[TOOL], continue_final_message=True,
+                    add_generation_prompt=False)
+    assert response.status_code == 200, response.text
+    text = server.state.chat.render([ChatMessage(**m) for m in messages], [TOOL], add_generation_prompt=False,
+                                    continue_final_message=True)
+    assert "lookup" in text.rsplit("<|im_start|>assistant\n", 1)[1] and not text.endswith("<|im_end|>\n")
+    assert response.json()["usage"]["prompt_tokens"] == prompt_tokens(server, text)
