@@ -33,6 +33,9 @@ from kvsplice.server.tracking import (RequestTracker, collect, engine_extras, me
                                      submit_choices)
 from kvsplice.server.usage import choices_usage, wants_stream_usage
 
+# the shortest common prefix of a batch's prompts that is prefilled once before they are submitted
+MIN_SHARED_PREFIX = 16
+
 
 def install_completion_routes(app: FastAPI, state: ServerState) -> tuple[type[BaseModel], ...]:
     """Add POST /v1/completions to `app`; returns the body model it parses."""
@@ -102,21 +105,8 @@ async def _start(state: ServerState, request: Request, body: p.CompletionRequest
     check_stop_token_ids(state, body.stop_token_ids)
     constraint = text_constraint(body)
     await compile_constraint(state, constraint, constraint_field(body))
-    score_only = body.max_tokens == 0
-    echo_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
-    wanted = [n for n in (echo_lps, body.prompt_logprobs) if n is not None]
-    prompt_lps = max(wanted) if wanted else None
-    params, cuts = [], []
-    for position, ids in enumerate(prompt_ids):
-        prompt_ids[position], cut = truncate_prompt(state, ids, body.truncate_prompt_tokens)
-        cuts.append(cut)
-        # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
-        budget = max_tokens(state, len(prompt_ids[position]), 1 if score_only else body.max_tokens, "prompt")
-        check_prompt_ids(state, prompt_ids[position], "prompt")
-        params.append(openai_sampling(body, budget, body.logprobs, prompt_lps, constraint))
-    shifted = None if body.message_offsets is None else [o - cuts[0] for o in body.message_offsets if o > cuts[0]]
-    offsets = message_offsets(shifted, len(prompt_ids[0]))
-    if len(prompt_ids) > 1 and prompt_lps is None:
+    prompt_ids, params, offsets = _prompt_params(state, body, prompt_ids, constraint)
+    if len(prompt_ids) > 1 and params[0].prompt_logprobs is None:
         await _prefill_shared_prefix(state, request, body, rid, prompt_ids)
     submitted: list[_Prompt] = []
     try:
@@ -131,7 +121,28 @@ async def _start(state: ServerState, request: Request, body: p.CompletionRequest
             await choice.outputs.aclose()
         raise
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
-    return _Completion(head, submitted, score_only)
+    return _Completion(head, submitted, body.max_tokens == 0)
+
+
+def _prompt_params(state: ServerState, body: p.CompletionRequest, prompt_ids: list[list[int]],
+                   constraint) -> tuple[list[list[int]], list[SamplingParams], Optional[tuple[int, ...]]]:
+    """Each prompt's ids (truncated as asked) and SamplingParams, and the message offsets of a single
+    prompt (shifted by its truncation); 400 naming the field for a prompt that does not fit."""
+    score_only = body.max_tokens == 0
+    echo_lps = (body.logprobs or 0) if body.echo and body.logprobs is not None else None
+    wanted = [n for n in (echo_lps, body.prompt_logprobs) if n is not None]
+    prompt_lps = max(wanted) if wanted else None    # one pass serves the echo and prompt_logprobs
+    kept, params, cuts = [], [], []
+    for ids in prompt_ids:
+        ids, cut = truncate_prompt(state, ids, body.truncate_prompt_tokens)
+        # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
+        budget = max_tokens(state, len(ids), 1 if score_only else body.max_tokens, "prompt")
+        check_prompt_ids(state, ids, "prompt")
+        kept.append(ids)
+        cuts.append(cut)
+        params.append(openai_sampling(body, budget, body.logprobs, prompt_lps, constraint))
+    shifted = None if body.message_offsets is None else [o - cuts[0] for o in body.message_offsets if o > cuts[0]]
+    return kept, params, message_offsets(shifted, len(kept[0]))
 
 
 async def _prefill_shared_prefix(state: ServerState, request: Request, body: p.CompletionRequest, rid: str,
@@ -139,7 +150,7 @@ async def _prefill_shared_prefix(state: ServerState, request: Request, body: p.C
     """Put the prompts' longest common prefix into the prefix cache once (one greedy token, SCR off: it
     is no conversation), so that the batch's prompts, submitted together, all find it cached."""
     shared = _common_prefix(prompt_ids)
-    if not shared:
+    if len(shared) < MIN_SHARED_PREFIX:     # a BOS, or a word: not worth a request of its own
         return
     extras = {**engine_extras(body, None, request), "scr": "off", "message_offsets": None}
     tracker = RequestTracker(f"{rid}-prefix", "completions", None)
