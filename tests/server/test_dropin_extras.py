@@ -12,6 +12,7 @@ import re
 import httpx
 import pytest
 
+from kvsplice.server.protocol import ChatMessage
 from tests.server.conftest import assert_idle_without_leak
 
 CHAT = "/v1/chat/completions"
@@ -89,8 +90,7 @@ def test_continuous_usage_of_the_wrong_type_is_a_400(server, path):
 
 def test_chat_returns_the_prompt_and_reply_ids(server):
     answer = ok(server, CHAT, return_token_ids=True)
-    rendered = server.state.chat.render(
-        [__import__("kvsplice.server.protocol", fromlist=["ChatMessage"]).ChatMessage(**m) for m in MESSAGES])
+    rendered = server.state.chat.render([ChatMessage(**m) for m in MESSAGES])
     assert answer["prompt_token_ids"] == tokenizer(server).encode(rendered, add_special_tokens=False)
     choice = answer["choices"][0]
     assert len(choice["token_ids"]) == answer["usage"]["completion_tokens"]
