@@ -99,13 +99,13 @@ async def _start(state: ServerState, request: Request, body: p.CompletionRequest
         raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
     if body.echo and body.stream:
         raise ApiError(400, "echo is not supported with stream=true", param="echo")
-    if body.echo and body.truncate_prompt_tokens is not None:
-        raise ApiError(400, "truncate_prompt_tokens: not with echo (the echoed prompt would not be the one scored)",
-                       param="truncate_prompt_tokens")
     check_stop_token_ids(state, body.stop_token_ids)
     constraint = text_constraint(body)
     await compile_constraint(state, constraint, constraint_field(body))
+    full_lengths = [len(ids) for ids in prompt_ids]
     prompt_ids, params, offsets = _prompt_params(state, body, prompt_ids, constraint)
+    # a truncated prompt is echoed as what was kept (its ids, decoded)
+    prompts = [prompt if len(ids) == length else ids for prompt, ids, length in zip(prompts, prompt_ids, full_lengths)]
     if len(prompt_ids) > 1 and params[0].prompt_logprobs is None:
         await _prefill_shared_prefix(state, request, body, rid, prompt_ids)
     submitted: list[_Prompt] = []

@@ -40,7 +40,8 @@ def stop_reason(tokenizer, params: SamplingParams, prompt_ids: list[int], token_
     return min(found)[2] if found else None
 
 
-def matched_stop(stop: Union[str, int, None], token_ids: list[int], finish_reason: Optional[str]) -> Union[str, int, None]:
+def matched_stop(stop: Union[str, int, None], token_ids: list[int],
+                 finish_reason: Optional[str]) -> Union[str, int, None]:
     """SGLang's `matched_stop`: the stop string or token that ended the output, EOS included (its id);
     None when it ended at its length or was aborted."""
     if stop is not None or finish_reason != "stop" or not token_ids:

@@ -179,6 +179,11 @@ def test_completions_keep_the_last_tokens_of_the_prompt(server):
     assert truncated["choices"][0]["text"] == direct["choices"][0]["text"]
     assert ok(server, COMPLETIONS, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == len(ids)
     assert ok(server, COMPLETIONS, truncate_prompt_tokens=500)["usage"]["prompt_tokens"] == len(ids)
+    echoed = ok(server, COMPLETIONS, truncate_prompt_tokens=5, echo=True, max_tokens=0, logprobs=0)["choices"][0]
+    kept = tokenizer(server).decode(ids[-5:], skip_special_tokens=False)
+    assert echoed["text"] == kept and len(echoed["logprobs"]["tokens"]) == 5
+    whole = ok(server, COMPLETIONS, truncate_prompt_tokens=500, echo=True, max_tokens=1)["choices"][0]
+    assert whole["text"].startswith(PROMPT)
 
 
 def test_chat_keeps_the_last_tokens_of_the_rendered_prompt(server):
