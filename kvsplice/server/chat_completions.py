@@ -20,13 +20,13 @@ from pydantic import BaseModel
 
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.server import extras
 from kvsplice.server import protocol as p
 from kvsplice.server.chat import ChatTemplateError
 from kvsplice.server.choices import Choice, merge
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
 from kvsplice.server.replies import ReplyFormat
-from kvsplice.server import extras
 from kvsplice.server.extras import finish_fields, generated_ids, running_usage, wants_continuous_usage
 from kvsplice.server.sampling import (check_stop_token_ids, compile_constraint, max_tokens, openai_sampling,
                                       reply_plan, truncate_prompt)

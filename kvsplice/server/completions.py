@@ -19,11 +19,11 @@ from pydantic import BaseModel
 
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.server import extras
 from kvsplice.server import protocol as p
 from kvsplice.server.choices import Choice, merge
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
-from kvsplice.server import extras
 from kvsplice.server.extras import finish_fields, generated_ids, running_usage, wants_continuous_usage
 from kvsplice.server.sampling import (check_prompt_ids, check_stop_token_ids, compile_constraint, constraint_field,
                                       max_tokens, openai_sampling, text_constraint, truncate_prompt)
