@@ -37,11 +37,13 @@ class TokenLogprob:
     logprob   its log-probability (log_softmax of the unprocessed logits).
     top       the n most likely tokens as (token_id, logprob), most likely first; may contain
               `token_id` itself (OpenAI `top_logprobs` semantics). Empty when n == 0.
+    rank      1 + the number of tokens more likely than `token_id` (vLLM's rank); None if not computed.
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -213,7 +215,9 @@ def _draw(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor
 
 def _token_logprobs(raw_logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[int]) -> list[TokenLogprob]:
     """TokenLogprob per row of `raw_logprobs` [N, V] for `token_ids` [N], row i with top_ns[i] alternatives."""
-    chosen = raw_logprobs.gather(1, token_ids.long().unsqueeze(1)).squeeze(1).tolist()
+    chosen_column = raw_logprobs.gather(1, token_ids.long().unsqueeze(1))
+    chosen = chosen_column.squeeze(1).tolist()
+    ranks = ((raw_logprobs > chosen_column).sum(dim=1) + 1).tolist()
     max_n = min(max(top_ns, default=0), raw_logprobs.shape[1])
     top_values: list[list[float]] = [[] for _ in top_ns]
     top_ids: list[list[int]] = [[] for _ in top_ns]
@@ -225,6 +229,7 @@ def _token_logprobs(raw_logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[in
             token_id=int(token_id),
             logprob=chosen[row],
             top=tuple(zip(top_ids[row][:n], top_values[row][:n])),
+            rank=int(ranks[row]),
         )
         for row, (token_id, n) in enumerate(zip(token_ids.tolist(), top_ns))
     ]

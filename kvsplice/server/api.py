@@ -45,8 +45,8 @@ from kvsplice.server.auth import AuthMiddleware
 from kvsplice.server.anthropic import install_anthropic_routes
 from kvsplice.server.chat_completions import install_chat_routes
 from kvsplice.server.completions import install_completion_routes
-from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, bad_request, error_body,
-                                    validation_message)
+from kvsplice.server.errors import (ApiError, InternalErrorMiddleware, RejectionLogMiddleware, bad_request,
+                                    error_body, validation_message)
 from kvsplice.server.openapi import (PROBE_ERRORS, READ_ERRORS, TOKEN_ERRORS, error_responses, install_openapi,
                                      json_request_body)
 from kvsplice.server.replica import install_router_routes
@@ -226,3 +226,4 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     # outermost first: an unexpected exception anywhere (authentication included) is a logged 500
     app.add_middleware(AuthMiddleware, keys=state.settings.api_keys, on_refuse=state.metrics.observe_error)
     app.add_middleware(InternalErrorMiddleware, on_error=state.metrics.observe_error)
+    app.add_middleware(RejectionLogMiddleware, log=state.log.rejected)   # sees every 4xx, 401s included

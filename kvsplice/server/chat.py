@@ -27,6 +27,7 @@ block out of the reply text into `reasoning_content`, as vLLM's reasoning parser
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,35 +142,68 @@ class ChatRenderer:
         self.renders_tool_calls = "tool_calls" in (self.source or "")
 
     def prompt_ids(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None,
-                   template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
-        """Token ids of the chat with the assistant's turn opened (the template adds any BOS)."""
-        return self.tokenizer.encode(self.render(messages, tools, template_kwargs), add_special_tokens=False)
+                   template_kwargs: Optional[dict[str, Any]] = None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False) -> list[int]:
+        """Token ids of the chat (the template adds any BOS): with the assistant's turn opened
+        (`add_generation_prompt`), or with the final (assistant) message left open to be continued
+        (`continue_final_message`: no end-of-turn after it, no new turn)."""
+        text = self.render(messages, tools, template_kwargs, add_generation_prompt, continue_final_message)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]] = None,
-               template_kwargs: Optional[dict[str, Any]] = None, add_generation_prompt: bool = True) -> str:
+               template_kwargs: Optional[dict[str, Any]] = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> str:
         """The prompt text; `template_kwargs` are extra template variables (e.g. Qwen 3's
         enable_thinking). Raises ValueError without a chat template, ChatTemplateError when the
-        template rejects the messages."""
-        return self._rendering(messages, tools, template_kwargs, add_generation_prompt).text
+        template rejects the messages (or, continuing the final message, does not show it)."""
+        return self._rendering(messages, tools, template_kwargs, add_generation_prompt, continue_final_message).text
 
     def message_offsets(self, messages: list[ChatMessage], prompt_ids: list[int],
                         tools: Optional[list[dict[str, Any]]] = None,
-                        template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+                        template_kwargs: Optional[dict[str, Any]] = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> list[int]:
         """Offsets into `prompt_ids` (this chat as `prompt_ids()` rendered it) where each message
         after the first and the reply start, verified against the tokens (`kvsplice.message_offsets`),
-        rendered exactly as the prompt was: this template, the normalised messages."""
-        rendering = self._rendering(messages, tools, template_kwargs, True)
+        rendered exactly as the prompt was: this template, the normalised messages, the same ending."""
+        rendering = self._rendering(messages, tools, template_kwargs, add_generation_prompt, continue_final_message)
 
         def render(prefix, add_generation_prompt: bool) -> str:
+            if add_generation_prompt and len(prefix) == len(rendering.dicts):
+                return rendering.text     # the whole chat: as the prompt ends
             return self._apply(list(prefix), rendering.tools, {**rendering.extra,
                                                                "add_generation_prompt": add_generation_prompt})
 
         return message_offsets(self.tokenizer, rendering.dicts, prompt_ids, render=render)
 
     def _rendering(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]],
-                   template_kwargs: Optional[dict[str, Any]], add_generation_prompt: bool) -> "_Rendering":
+                   template_kwargs: Optional[dict[str, Any]], add_generation_prompt: bool,
+                   continue_final_message: bool = False) -> "_Rendering":
         """The template-ready dicts that render (tool messages become user turns where the template
-        rejects them), the tools and variables passed to the template, and the text."""
+        rejects them), the tools and variables passed to the template, and the text (cut after the
+        final message's content when it is continued)."""
+        rendering = self._rendering_whole(messages, tools, template_kwargs,
+                                          add_generation_prompt and not continue_final_message)
+        if not continue_final_message:
+            return rendering
+        return dataclasses.replace(rendering, text=self._continued(rendering))
+
+    def _continued(self, rendering: "_Rendering") -> str:
+        """The chat's text up to the end of its final message's content (as transformers'
+        continue_final_message cuts it: the last occurrence, else that of the stripped content); an
+        empty final message continues from where its turn opens."""
+        final = rendering.dicts[-1]["content"]
+        if not final.strip():
+            return self._apply(rendering.dicts[:-1], rendering.tools,
+                               {**rendering.extra, "add_generation_prompt": True})
+        for content in (final, final.strip()):
+            cut = rendering.text.rfind(content)
+            if cut >= 0:
+                return rendering.text[:cut + len(content)]
+        raise ChatTemplateError("continue_final_message: the chat template does not show the final message's "
+                                "content, so it cannot be continued", param="continue_final_message")
+
+    def _rendering_whole(self, messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]],
+                         template_kwargs: Optional[dict[str, Any]], add_generation_prompt: bool) -> "_Rendering":
         if self.source is None or not hasattr(self.tokenizer.backend, "apply_chat_template"):
             raise ValueError("this model has no chat template; use the completions endpoint with a raw prompt, "
                              "or give one with --chat-template")

@@ -7,6 +7,7 @@ one `chat.completion` answer, or a stream of `chat.completion.chunk` events (sse
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -18,13 +19,17 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from kvsplice.engine.request import RequestOutput
+from kvsplice.sampling_params import SamplingParams
+from kvsplice.server import extras
 from kvsplice.server import protocol as p
 from kvsplice.server.chat import ChatTemplateError
 from kvsplice.server.choices import Choice, merge
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
 from kvsplice.server.replies import ReplyFormat
-from kvsplice.server.sampling import compile_constraint, max_tokens, openai_sampling, reply_plan
+from kvsplice.server.extras import finish_fields, generated_ids, running_usage, wants_continuous_usage
+from kvsplice.server.sampling import (check_stop_token_ids, compile_constraint, max_tokens, openai_sampling,
+                                      reply_plan, truncate_prompt)
 from kvsplice.server.sse import stream_response
 from kvsplice.server.state import ServerState
 from kvsplice.server.tracking import RequestTracker, collect, submit_choices
@@ -59,6 +64,8 @@ class _Chat:
     prefill: Optional[RequestTracker]
     top_n: int
     fmt: ReplyFormat
+    prompt_ids: list[int]
+    params: SamplingParams
 
 
 async def _start(state: ServerState, request: Request, body: p.ChatCompletionRequest) -> _Chat:
@@ -71,49 +78,86 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
     await compile_constraint(state, constraint, constraint_param)
     try:
         prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools,
-                                             body.chat_template_kwargs)
+                                             body.chat_template_kwargs, body.add_generation_prompt,
+                                             bool(body.continue_final_message))
     except ChatTemplateError as error:
         raise ApiError(400, str(error), param=error.param) from error
+    check_stop_token_ids(state, body.stop_token_ids)
+    offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
+                                      body.chat_template_kwargs, body.add_generation_prompt,
+                                      bool(body.continue_final_message)) if state.wants_message_offsets else None
+    prompt_ids, cut = truncate_prompt(state, prompt_ids, body.truncate_prompt_tokens)
+    if offsets is not None and cut:
+        offsets = [offset - cut for offset in offsets if offset > cut]
     budget = max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
     top_n = body.top_logprobs or 0
-    params = openai_sampling(body, budget, top_n if body.logprobs else None, None, constraint,
+    params = openai_sampling(body, budget, top_n if body.logprobs else None, body.prompt_logprobs, constraint,
                              tools.keep_special_tokens)
-    offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
-                                      body.chat_template_kwargs) if state.wants_message_offsets else None
     choices, prefill = await submit_choices(state, request, body, "chat", rid, prompt_ids, params, body.n, offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     fmt = ReplyFormat(state.settings.reasoning_parser, tools, state.chat.parser)
-    return _Chat(head, choices, prefill, top_n, fmt)
+    return _Chat(head, choices, prefill, top_n, fmt, prompt_ids, params)
 
 
 def _completion(chat: _Chat, body: p.ChatCompletionRequest, tokenizer) -> dict[str, Any]:
-    """The `chat.completion` answer of a finished request."""
+    """The `chat.completion` answer of a finished request (with return_token_ids: the prompt's ids, and
+    each choice's; with prompt_logprobs: the prompt's, in vLLM's shape)."""
     out = []
     for choice in chat.choices:
         outputs = choice.tracker.outputs
-        message, reason = chat.fmt.message("".join(o.new_text for o in outputs), choice.tracker.last.finish_reason)
+        last = choice.tracker.last.finish_reason
+        message, reason = chat.fmt.message("".join(o.new_text for o in outputs), last)
         lps = [lp for o in outputs for lp in o.logprobs]
-        out.append({"index": choice.index, "message": message, "finish_reason": reason,
-                    "logprobs": _logprobs(tokenizer, lps, chat.top_n) if body.logprobs else None})
-    return {**chat.head, "object": "chat.completion", "choices": out,
-            "usage": choices_usage(chat.choices, chat.prefill)}
+        entry = {"index": choice.index, "message": message, "finish_reason": reason,
+                 "logprobs": _logprobs(tokenizer, lps, chat.top_n) if body.logprobs else None,
+                 **finish_fields(tokenizer, chat.params, chat.prompt_ids, outputs, last)}
+        if body.return_token_ids:
+            entry["token_ids"] = generated_ids(outputs)
+        out.append(entry)
+    answer = {**chat.head, "object": "chat.completion", "choices": out,
+              "usage": choices_usage(chat.choices, chat.prefill)}
+    if body.prompt_logprobs is not None:
+        first = chat.prefill or chat.choices[0].tracker
+        lps = next((o.prompt_logprobs for o in first.outputs if o.prompt_logprobs), None)
+        answer["prompt_logprobs"] = extras.prompt_logprobs(tokenizer, chat.prompt_ids, lps, body.prompt_logprobs)
+    if body.return_token_ids:
+        answer["prompt_token_ids"] = chat.prompt_ids
+    return answer
 
 
 async def _chunks(chat: _Chat, body: p.ChatCompletionRequest, tokenizer,
                   outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[dict[str, Any], None]:
-    """The `chat.completion.chunk` payloads: each choice's role, its deltas, then (when asked) usage."""
+    """The `chat.completion.chunk` payloads: each choice's role (with return_token_ids, the prompt's ids
+    on the first), its deltas, then (when asked) usage; with continuous usage, every chunk has the
+    usage so far."""
     chunk_head = {**chat.head, "object": "chat.completion.chunk"}
     streams = [chat.fmt.stream() for _ in chat.choices]
+    continuous = wants_continuous_usage(body)
     for choice in chat.choices:
-        yield {**chunk_head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
+        chunk = {**chunk_head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+        if body.return_token_ids and choice.index == 0:
+            chunk["prompt_token_ids"] = chat.prompt_ids
+        if continuous:
+            chunk["usage"] = running_usage(dataclasses.replace(choice.tracker.outputs[0], completion_tokens=0))
+        yield chunk
     async for index, out in outputs:
         delta = streams[index].feed(out.new_text, final=out.finished)
         reason = streams[index].finish_reason(out.finish_reason) if out.finished else None
         logprobs = _logprobs(tokenizer, out.logprobs, chat.top_n) if body.logprobs else None
-        if delta or out.finished or logprobs:
-            yield {**chunk_head, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
-                                              "logprobs": logprobs}]}
+        if not (delta or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
+            continue
+        entry = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs,
+                 "stop_reason": None, "matched_stop": None}
+        if out.finished:
+            entry.update(finish_fields(tokenizer, chat.params, chat.prompt_ids, chat.choices[index].tracker.outputs,
+                                       out.finish_reason))
+        if body.return_token_ids:
+            entry["token_ids"] = list(out.new_token_ids)
+        chunk = {**chunk_head, "choices": [entry]}
+        if continuous:
+            chunk["usage"] = running_usage(out)
+        yield chunk
     if wants_stream_usage(body):
         yield {**chunk_head, "choices": [], "usage": choices_usage(chat.choices, chat.prefill)}
 

@@ -50,6 +50,8 @@ def _candidates(body: _SamplingFields) -> list[tuple[str, StructuredSpec]]:
         found.append(("guided_json", StructuredSpec.json_schema(_schema(body.guided_json, "guided_json"), "guided_json")))
     if body.guided_regex is not None:
         found.append(("guided_regex", StructuredSpec.regex(body.guided_regex)))
+    if body.regex is not None:         # SGLang's name for guided_regex
+        found.append(("regex", StructuredSpec.regex(body.regex, "regex")))
     if body.guided_choice is not None:
         found.append(("guided_choice", StructuredSpec.choice(body.guided_choice)))
     if body.guided_grammar is not None:

@@ -4,6 +4,9 @@ Every 4xx and 5xx answer carries it, whichever layer refuses the request (authen
 limits, validation, the engine, an unexpected exception). `ERROR_STATUSES` lists what a route may
 answer besides 200, for the OpenAPI document.
 
+Every 4xx answer, whichever layer sent it, is logged once (`RejectionLogMiddleware`: a
+`kvsplice.rejected` line with the status, route, the error's param and message and the request id).
+
 An exception no handler expected becomes a 500 whose message names the request id (the id the
 handler bound with `bind_request_id`, or a fresh one), logged with its traceback under that id
 (`InternalErrorMiddleware`), never Starlette's plain-text "Internal Server Error".
@@ -11,6 +14,7 @@ handler bound with `bind_request_id`, or a fresh one), logged with its traceback
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import uuid
@@ -22,6 +26,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvsplice.server.protocol import ErrorInfo, ErrorResponse
+from kvsplice.server.request_log import rejected_record
 
 LOG = logging.getLogger("kvsplice.server")
 REQUEST_ID_STATE_KEY = "kvsplice_request_id"
@@ -160,3 +165,42 @@ class InternalErrorMiddleware:
                 return
             self.on_error(500)
             await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+
+
+class RejectionLogMiddleware:
+    """ASGI middleware: one `kvsplice.rejected` line (request_log.rejected_record) for every 4xx answer
+    but 499 (the client went away), read from the error body the client got (OpenAI's or Anthropic's:
+    both keep `message`, and `param` where there is one). `log(record)` writes it."""
+
+    def __init__(self, app: ASGIApp, log: Callable[[dict[str, Any]], None]):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: Optional[int] = None
+        body = bytearray()
+
+        async def watching_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 499:
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status is not None:
+                body.extend(message.get("body", b""))
+                if not message.get("more_body", False):
+                    self._log(scope, status, bytes(body))
+                    status = None
+            await send(message)
+
+        await self.app(scope, receive, watching_send)
+
+    def _log(self, scope: Scope, status: int, body: bytes) -> None:
+        try:
+            error = json.loads(body).get("error") or {}
+        except (ValueError, AttributeError):
+            error = {}
+        error = error if isinstance(error, dict) else {}
+        rid = scope.get("state", {}).get(REQUEST_ID_STATE_KEY)
+        self.log(rejected_record(status, scope.get("path", ""), error.get("param"), str(error.get("message", "")),
+                                 rid))

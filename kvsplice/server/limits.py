@@ -2,7 +2,8 @@
 
     body bytes ─(read: 413 past max_body_bytes)─> JSON ─(depth <= max_json_depth)─> pydantic models
         (messages <= max_messages, stop entries <= max_stop, each <= max_stop_chars,
-         session_id / cache_salt / rid <= max_id_chars) ─> tokenization, templates, the engine
+         session_id / cache_salt / rid <= max_id_chars, completions prompts <= max_prompts)
+        ─> tokenization, templates, the engine
 
 Defaults follow from the context length where a fixed number would be wrong for some model: a body
 holds a max-length prompt as JSON at BYTES_PER_TOKEN bytes per token (a token is rarely more than 4
@@ -23,6 +24,7 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 512
 MAX_ID_CHARS = 256
 MAX_JSON_DEPTH = 64
+MAX_PROMPTS = 64
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class RequestLimits:
     max_stop_chars: characters of one stop string.
     max_id_chars:   characters of `session_id`, `cache_salt`, the routing-key header and /generate's `rid`.
     max_json_depth: nesting of arrays and objects in the body.
+    max_prompts:    prompts in one /v1/completions request (a batch).
 
     A None field counts as unbounded until `resolve` fills it in; the server always resolves.
     """
@@ -45,6 +48,7 @@ class RequestLimits:
     max_stop_chars: int = MAX_STOP_CHARS
     max_id_chars: int = MAX_ID_CHARS
     max_json_depth: int = MAX_JSON_DEPTH
+    max_prompts: int = MAX_PROMPTS
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):

@@ -97,10 +97,12 @@ def _refuse_unless_neutral(name: str, value: Any, neutral: tuple = (None,)) -> A
 
 class StreamOptions(_OpenAIRequest):
     """OpenAI `stream_options`: `include_usage` adds a final chunk with `usage` and no choices;
-    `include_obfuscation` (random padding against side channels) is accepted and not needed here."""
+    `include_obfuscation` (random padding against side channels) is accepted and not needed here;
+    vLLM's `continuous_usage_stats` (with include_usage) puts the usage so far on every chunk too."""
 
     include_usage: StrictBool = False
     include_obfuscation: Optional[StrictBool] = None
+    continuous_usage_stats: StrictBool = False
 
 
 class FunctionDefinition(_OpenAIRequest):
@@ -254,6 +256,13 @@ class _SamplingFields(_OpenAIRequest):
     cache_salt: Optional[str] = None
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
+    # vLLM extras on the prompt and the answer
+    truncate_prompt_tokens: Optional[StrictInt] = None
+    prompt_logprobs: Optional[StrictInt] = None
+    return_token_ids: StrictBool = False
+    # SGLang extras: `regex` is guided_regex under SGLang's name; regex stops are not supported
+    regex: Optional[str] = None
+    stop_regex: Union[str, list[str], None] = None
     # SGLang fields sglang-router adds to every request it forwards, at their defaults (those are what
     # kvsplice does); any other value is refused
     no_stop_trim: Optional[StrictBool] = None
@@ -266,7 +275,7 @@ class _SamplingFields(_OpenAIRequest):
     _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
     _id_limits = field_validator("cache_salt", "session_id")(_check_id)
 
-    @field_validator("no_stop_trim", "continue_final_message", "return_hidden_states")
+    @field_validator("no_stop_trim", "return_hidden_states")
     @classmethod
     def _sglang_off(cls, value: Optional[bool], info) -> Optional[bool]:
         return _refuse_unless_neutral(f"{info.field_name}: true", value, (None, False))
@@ -275,6 +284,27 @@ class _SamplingFields(_OpenAIRequest):
     @classmethod
     def _sglang_on(cls, value: Optional[bool], info) -> Optional[bool]:
         return _refuse_unless_neutral(f"{info.field_name}: false", value, (None, True))
+
+    @field_validator("stop_regex")
+    @classmethod
+    def _no_stop_regex(cls, value: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        if value not in (None, []):
+            raise ValueError("stop_regex is not supported by this server: stop strings only "
+                             "(see docs/COMPATIBILITY.md)")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, tokens: Optional[int]) -> Optional[int]:
+        if tokens is not None and tokens != -1 and tokens < 1:
+            raise ValueError(f"must be -1 (the context limit) or an int >= 1, got {tokens}")
+        return tokens
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> "_SamplingFields":
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true")
+        return self
 
     @field_validator("n")
     @classmethod
@@ -292,7 +322,10 @@ class _SamplingFields(_OpenAIRequest):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions. `max_completion_tokens` (newer OpenAI name) wins over `max_tokens`."""
+    """POST /v1/chat/completions. `max_completion_tokens` (newer OpenAI name) wins over `max_tokens`.
+    `add_generation_prompt` (default true) opens the assistant's turn after the messages;
+    `continue_final_message` (vLLM) instead leaves the final message, an assistant one, open for the
+    reply to continue (assistant prefill); both true is refused."""
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: Optional[StrictInt] = None
@@ -302,6 +335,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: StrictBool = True
     # accepted and ignored: they change nothing about the answer
     metadata: Optional[dict[str, str]] = None
     safety_identifier: Optional[str] = None
@@ -393,25 +427,48 @@ class ChatCompletionRequest(_SamplingFields):
         if self.message_offsets is not None:
             raise ValueError("message_offsets: not accepted on chat completions (the server computes them "
                              "from the messages)")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message: cannot be combined with add_generation_prompt: true "
+                                 "(set add_generation_prompt to false to continue the final message)")
+            if self.messages[-1].role != "assistant":
+                raise ValueError(f"continue_final_message: the final message must be an assistant message, "
+                                 f"got role {self.messages[-1].role!r}")
         return self
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt`: a string, a list of token ids, or a one-element list of either
-    (several prompts in one request are refused with 400: send one request per prompt). `best_of`
-    may only repeat `n` (choosing the best of more choices than are returned is not supported)."""
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a batch: at
+    most `max_prompts` prompts, each answered with its own `n` choices). `best_of` may only repeat `n`
+    (choosing the best of more choices than are returned is not supported)."""
 
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-        {"type": "array", "minItems": 1, "maxItems": 1,
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1,
          "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})
     logprobs: Optional[StrictInt] = None
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
     message_offsets: Optional[list[StrictInt]] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, prompt: Any, info: ValidationInfo) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("must not be empty")
+        limit = request_limits(info).max_prompts
+        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > limit:
+            raise ValueError(f"at most {limit} prompts per request are allowed, got {len(prompt)}")
+        return prompt
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_chat_message(cls, value: Optional[bool]) -> Optional[bool]:
+        return _refuse_unless_neutral("continue_final_message: true (there is no chat message to continue)",
+                                      value, (None, False))
 
     @field_validator("suffix")
     @classmethod
@@ -422,20 +479,16 @@ class CompletionRequest(_SamplingFields):
     def _completion_checks(self) -> "CompletionRequest":
         if self.best_of not in (None, self.n):
             raise ValueError(f"best_of: only best_of == n is supported, got best_of={self.best_of}, n={self.n}")
+        if self.message_offsets is not None and len(self.prompts()) > 1:
+            raise ValueError("message_offsets: only with a single prompt (they index one prompt's tokens)")
         return self
 
-    def single_prompt(self) -> Union[str, list[int]]:
-        """The one prompt of the request; ValueError for an empty or multi-prompt list."""
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The request's prompts in order: one for a string or a list of token ids, else the list's entries."""
         prompt = self.prompt
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
-            raise ValueError("prompt: must not be empty")
-        if isinstance(prompt[0], int):
-            return list(prompt)
-        if len(prompt) != 1:
-            raise ValueError(f"prompt: one prompt per request is supported, got a list of {len(prompt)}")
-        return prompt[0]
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
 
 class GenerateSamplingParams(_Request):

@@ -2,9 +2,11 @@
 
     kvsplice.start {"model": ..., "engine": {...}, "reuse": {every ReuseConfig field}, ...}   once
     kvsplice.request {"rid": ..., "prompt_tokens": ..., <usage.reuse flattened>, ...}         per request
+    kvsplice.rejected {"status": 400, "route": ..., "param": ..., "message": ..., "rid": ...} per 4xx answer
 
 A request line carries ids and counts only, never prompt or completion text; the session id is replaced
-by a short hash so logs can be shared without the client's conversation names.
+by a short hash so logs can be shared without the client's conversation names. A rejected line carries
+the error the client got (its message cut at MAX_REJECTED_MESSAGE characters), never the request body.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, Optional, TextIO
 
 START_PREFIX = "kvsplice.start "
 REQUEST_PREFIX = "kvsplice.request "
+REJECTED_PREFIX = "kvsplice.rejected "
+MAX_REJECTED_MESSAGE = 500
 
 
 def session_hash(session_id: Optional[str]) -> Optional[str]:
@@ -71,6 +75,15 @@ def request_record(rid: str, prompt_tokens: int, completion_tokens: int, reuse: 
     return record
 
 
+def rejected_record(status: int, route: str, param: Optional[str], message: str,
+                    rid: Optional[str]) -> dict[str, Any]:
+    """One rejected line's object: the status, the route, the error's param and message (cut), the request
+    id (None when the request was refused before it got one)."""
+    if len(message) > MAX_REJECTED_MESSAGE:
+        message = message[:MAX_REJECTED_MESSAGE] + "..."
+    return {"status": status, "route": route, "param": param, "message": message, "rid": rid}
+
+
 class RequestLog:
     """Writes the log lines to `stream` (default: stdout), one `write` + flush per line, thread-safe."""
 
@@ -92,3 +105,7 @@ class RequestLog:
     def request(self, record: dict[str, Any]) -> None:
         """Write one `kvsplice.request` line."""
         self._write(REQUEST_PREFIX, record)
+
+    def rejected(self, record: dict[str, Any]) -> None:
+        """Write one `kvsplice.rejected` line."""
+        self._write(REJECTED_PREFIX, record)

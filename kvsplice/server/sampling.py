@@ -16,7 +16,7 @@ from kvsplice.server.tools import ToolPlan, ToolRequestError, plan_tools
 from kvsplice.structured.spec import StructuredSpec
 
 # The fields a constraint on the reply may come from, in the order they are looked for.
-CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "regex", "guided_choice", "guided_grammar",
                      "structured_outputs")
 
 
@@ -48,6 +48,28 @@ def check_prompt_ids(state: ServerState, prompt_ids: list[int], param: str) -> N
     bad = next((token for token in prompt_ids if not 0 <= token < vocab), None)
     if bad is not None:
         raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def check_stop_token_ids(state: ServerState, ids: Optional[list[int]], param: str = "stop_token_ids") -> None:
+    """400 naming `param` for a stop token id outside the vocabulary (it could never be sampled)."""
+    vocab = state.engine.model_config.vocab_size
+    bad = next((token for token in ids or () if not 0 <= token < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def truncate_prompt(state: ServerState, prompt_ids: list[int], keep: Optional[int]) -> tuple[list[int], int]:
+    """vLLM's `truncate_prompt_tokens`: the last `keep` ids of the prompt (-1: the context limit), and how
+    many were cut from its start; 400 when `keep` exceeds the context limit."""
+    if keep is None:
+        return prompt_ids, 0
+    limit = state.context_limit
+    if keep > limit:
+        raise ApiError(400, f"truncate_prompt_tokens: {keep} exceeds this model's context limit of {limit} tokens",
+                       param="truncate_prompt_tokens")
+    keep = limit if keep == -1 else keep
+    cut = max(0, len(prompt_ids) - keep)
+    return prompt_ids[cut:], cut
 
 
 def openai_sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],

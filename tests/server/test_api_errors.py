@@ -40,7 +40,7 @@ def _chat(**fields) -> dict:
     ("/v1/chat/completions", _chat(model="gpt-4"), 404, "gpt-4"),
     ("/v1/chat/completions", _chat(stream=True, max_tokens=10_000_000), 400, "context limit"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "echo"),
-    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, 400, "one prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 65, "max_tokens": 2}, 400, "at most 64 prompts"),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10_000_000], "max_tokens": 2}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": list(range(3000)), "max_tokens": 1}, 400, "3000 tokens"),

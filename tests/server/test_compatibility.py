@@ -44,13 +44,18 @@ ACCEPTED = {
     "user": {"user": "u-1"}, "metadata": {"metadata": {"k": "v"}}, "safety_identifier": {"safety_identifier": "s"},
     "prompt_cache_key": {"prompt_cache_key": "k"}, "prompt_cache_retention": {"prompt_cache_retention": "24h"},
     "prompt_cache_options": {"prompt_cache_options": {}},
+    "add_generation_prompt": {"add_generation_prompt": False},
+    "continue_final_message": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+                               "continue_final_message": True, "add_generation_prompt": False},
+    "truncate_prompt_tokens": {"truncate_prompt_tokens": 1}, "prompt_logprobs": {"prompt_logprobs": 1},
+    "return_token_ids": {"return_token_ids": True}, "regex": {"regex": "a+"},
     "cache_salt": {"cache_salt": "salt"}, "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
 }
 REFUSED = {
     "message_offsets": [0],
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f"}], "function_call": "auto",
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
-    "web_search_options": {}, "moderation": {"model": "x"}, "suffix": "tail",
+    "web_search_options": {}, "moderation": {"model": "x"}, "suffix": "tail", "stop_regex": ["a+"],
 }
 DEFAULT_ONLY = {
     "store": (False, True), "service_tier": ("auto", "flex"), "modalities": (["text"], ["text", "audio"]),

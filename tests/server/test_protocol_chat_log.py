@@ -37,13 +37,14 @@ def test_chat_request_accepts_harmless_fields_and_refuses_unknown_ones():
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], unknown_thing=1)
 
 
-def test_completion_single_prompt_forms():
-    assert CompletionRequest(prompt="a").single_prompt() == "a"
-    assert CompletionRequest(prompt=[1, 2]).single_prompt() == [1, 2]
-    assert CompletionRequest(prompt=["a"]).single_prompt() == "a"
-    assert CompletionRequest(prompt=[[3, 4]]).single_prompt() == [3, 4]
-    with pytest.raises(ValueError, match="one prompt"):
-        CompletionRequest(prompt=["a", "b"]).single_prompt()
+def test_completion_prompt_forms():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=["a"]).prompts() == ["a"]
+    assert CompletionRequest(prompt=[[3, 4]]).prompts() == [[3, 4]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    with pytest.raises(ValueError, match="must not be empty"):
+        CompletionRequest(prompt=[])
 
 
 def test_generate_request_needs_exactly_one_input():
