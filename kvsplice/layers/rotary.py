@@ -174,3 +174,28 @@ class Rotary:
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """`rerotate(k, delta, self.inv_freq)`."""
         return rerotate(k, delta, self.inv_freq)
+
+
+class LayerRotaries:
+    """The RoPE of each layer, for models whose layers differ in it (Gemma 3: one theta for the
+    sliding layers, another for the global ones): one Rotary per distinct RopeConfig."""
+
+    def __init__(self, layer_ropes: tuple[RopeConfig, ...], kv_layers: tuple[int, ...],
+                 device: str | torch.device = "cpu"):
+        """`layer_ropes`: one per model layer; `kv_layers`: the model layers that keep K/V, in
+        KV-pool order (the layers `rerotate` turns)."""
+        by_config = {rope: Rotary(rope, device) for rope in dict.fromkeys(layer_ropes)}
+        self.layers = tuple(by_config[rope] for rope in layer_ropes)
+        self.kv_layers = tuple(self.layers[layer_id] for layer_id in kv_layers)
+
+    def cos_sin(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin `[N, rotary_dim]` for `positions` (computed once per distinct RoPE)."""
+        tables = {id(rotary): rotary.cos_sin(positions) for rotary in self.layers}
+        return [tables[id(rotary)] for rotary in self.layers]
+
+    def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """`Rotary.rerotate` of keys `k [N, kv_layers * heads, head_dim]` (the KV-pool layers side
+        by side, as SCR relocation passes them), each layer's heads by that layer's RoPE."""
+        per_layer = k.view(k.shape[0], len(self.kv_layers), -1, k.shape[-1])
+        turned = [rotary.rerotate(per_layer[:, index], delta) for index, rotary in enumerate(self.kv_layers)]
+        return torch.stack(turned, dim=1).view(k.shape)
