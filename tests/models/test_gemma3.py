@@ -191,3 +191,11 @@ def test_real_gguf_prompt_logprobs_and_greedy_text_match_transformers():
     print(f"max prompt logprob difference vs transformers: {difference:.3g} nats")
     assert math.isfinite(difference) and difference <= GGUF_TOL
     assert out.token_ids == greedy[0, len(ids):].tolist()
+
+
+def test_the_fast_path_refuses_gemma3_naming_why(tiny):
+    from kvsplice.models.fast_decode import FastDecoder
+
+    _, _, cfg = tiny
+    reason = FastDecoder.refusal(cfg)
+    assert not FastDecoder.supports(cfg) and "sliding windows" in reason and "sandwich norms" in reason
