@@ -15,12 +15,17 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from kvsplice.cache.kv_pool import KVPool
+from kvsplice.config import EngineConfig
+from kvsplice.engine.llm import LLM, build_engine
+from kvsplice.engine.request import Namespace
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.gguf_convert import hf_tensor_name
 from kvsplice.models.loader import load_checkpoint
+from kvsplice.reuse.config import ReuseConfig
 from kvsplice.reuse.relocate import relocate
+from kvsplice.sampling_params import SamplingParams
 from tests.tiny_model import make_tokenizer_files
 
 TOL = 1e-4
@@ -52,10 +57,15 @@ def _tiny_dir(path, vocab_size: int, **overrides):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3")
     vocab = make_tokenizer_files(path)
-    hf_model = _tiny_dir(path, vocab)
+    return path, _tiny_dir(path, vocab)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    path, hf_model = tiny_dir
     ckpt = load_checkpoint(str(path))
     cfg = ModelConfig.from_hf_config(ckpt.hf_config)
     ours = Decoder.from_config(cfg)
@@ -154,6 +164,62 @@ def test_gguf_block_names_of_gemma3():
     assert hf_tensor_name("blk.3.ffn_norm.weight", "llama") == "model.layers.3.post_attention_layernorm.weight"
 
 
+SCR = ReuseConfig(match_min_tokens=16, min_span=8, tail=4, max_spans=6)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _llm(path, **kwargs) -> LLM:
+    # chunks of 16 tokens: a chunk's queries see the window across the chunk boundary
+    return LLM(engine=build_engine(EngineConfig(model=str(path), reuse=SCR, max_batch_tokens=16, **kwargs)))
+
+
+def _close(a, b, atol=1e-4) -> bool:
+    return a.token_ids == b.token_ids and all(abs(x.logprob - y.logprob) <= atol
+                                              for x, y in zip(a.logprobs, b.logprobs))
+
+
+def test_engine_prefix_cache_and_append_are_exact(tiny_dir):
+    """Through the engine (chunked prefill, the radix cache, decode), the window stays exact."""
+    path, _ = tiny_dir
+    llm = _llm(path)
+    turn1 = _ids(50, 1)
+    first = llm.generate([turn1], GREEDY, session_id="g1")[0]
+    appended = turn1 + first.token_ids + _ids(12, 2)
+    nxt = llm.generate([appended], GREEDY, session_id="g1")[0]
+    assert nxt.reuse.prefix_tokens >= len(turn1)
+    assert _close(nxt, _llm(path, prefix_cache=False).generate([appended], GREEDY)[0])
+    llm.engine.check_integrity()
+
+
+def test_engine_relocated_layer0_keys_equal_fresh_ones(tiny_dir):
+    """An edit in the middle relocates the spans after it; layer 0 (a sliding layer, its own RoPE)
+    sees only each token itself, so its relocated keys are the keys a fresh forward stores."""
+    path, _ = tiny_dir
+    system, notes, tail = _ids(20, 3), _ids(40, 4), _ids(20, 5)
+    turn1, turn2 = system + _ids(20, 6) + notes + tail, system + _ids(6, 7) + notes + tail
+    llm = _llm(path)
+    llm.generate([turn1], GREEDY, session_id="g2")
+    engine = llm.engine
+    rid = engine.add_request(turn2, GREEDY, session_id="g2")
+    engine.step()
+    req = engine._reqs[rid]
+    keeps = [keep for keep in req.scr.plan.keeps if keep.delta != 0]
+    assert keeps
+    relocated = engine.cache.pool.k[0][torch.cat([req.seq_slots[k.dst_pos:k.dst_end] for k in keeps])].clone()
+    while engine.has_work():
+        engine.step()
+    fresh_llm = _llm(path)
+    fresh_llm.generate([turn2], GREEDY)
+    match = fresh_llm.engine.cache.radix.match_prefix(turn2, Namespace(None, None))
+    offsets = torch.cat([torch.arange(k.dst_pos, k.dst_end) for k in keeps])
+    torch.testing.assert_close(relocated, fresh_llm.engine.cache.pool.k[0][match.slots[offsets]],
+                               atol=1e-5, rtol=1e-5)
+
+
 GGUF_TOL = 2e-3   # nats per prompt token, fp32 both sides
 GREEDY_TOKENS = 16
 
@@ -169,7 +235,6 @@ def _real_gguf():
 
 @pytest.mark.slow
 def test_real_gguf_prompt_logprobs_and_greedy_text_match_transformers():
-    from kvsplice import LLM, SamplingParams
     from transformers import AutoModelForCausalLM
 
     path = _real_gguf()
