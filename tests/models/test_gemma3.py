@@ -264,3 +264,19 @@ def test_the_fast_path_refuses_gemma3_naming_why(tiny):
     _, _, cfg = tiny
     reason = FastDecoder.refusal(cfg)
     assert not FastDecoder.supports(cfg) and "sliding windows" in reason and "sandwich norms" in reason
+
+
+@pytest.mark.parametrize("raw", [
+    dict(rope_theta=500_000.0, rope_local_base_freq=20_000.0, sliding_window=64),
+    dict(layer_types=LAYER_TYPES[:4], num_hidden_layers=4, query_pre_attn_scalar=48, final_logit_softcapping=30.0),
+    dict(rope_scaling=dict(rope_type="linear", factor=8.0)),
+])
+def test_config_reading_matches_transformers_own_reading(raw):
+    """from_hf_config on a raw dict equals it on what Gemma3TextConfig makes of it (to_dict)."""
+    raw = {**dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=7, num_attention_heads=2), **raw}
+    normalised = Gemma3TextConfig(**{key: value for key, value in raw.items() if key != "model_type"}).to_dict()
+    ours = ModelConfig.from_hf_config(raw)
+    assert ours == ModelConfig.from_hf_config(normalised)
+    if "rope_scaling" in raw:
+        assert ours.rope.kind == "linear" and ours.layer_rope(0).kind == "default"
