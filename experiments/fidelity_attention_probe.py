@@ -112,7 +112,7 @@ class Emulator:
         pool.v[:, old_kv_len:old_kv_len + prefix] = old_v[:, :prefix]
         for keep in plan.keeps:
             relocate(pool, torch.arange(keep.src_pos, keep.src_end),
-                     old_kv_len + torch.arange(keep.dst_pos, keep.dst_end), keep.delta, self.model.rotary)
+                     old_kv_len + torch.arange(keep.dst_pos, keep.dst_end), keep, self.model.rotary)
         return Turn2(ids, plan, pool.k[:, old_kv_len:], pool.v[:, old_kv_len:], exact)
 
     def default_recompute(self, turn: Turn2) -> list[int]:

@@ -34,8 +34,8 @@ class EngineConfig:
         packed, decode over the DecodeArena); False: the reference Decoder for every step.
     compile_decode: compile the fast path's decode-only steps with torch.compile
         (`kvsplice.models.compiled_decode`; needs the fast path, the DecodeArena, int4 / int8
-        projections and a C++ compiler). Building the engine then compiles first: minutes on
-        2 cores, under a minute with inductor's on-disk cache warm.
+        projections and a C++ compiler). Building the engine then compiles first: minutes the
+        first time, much less with inductor's on-disk cache warm.
     decode_arena_tokens: bound of the DecodeArena (rows x capacity, tokens), the contiguous
         copies of decoding requests' K/V; 0 disables it (decode rows gather from the pool).
     step_budget_ratio: without a prefill lane, while requests decode, a step's prefill share is

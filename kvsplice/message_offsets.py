@@ -30,7 +30,7 @@ decide where states are saved.
 
 Two paths give the same answer: `message_offsets` (one tokenization of the prompt with character offsets,
 O(messages) template renders) and `message_offsets_reference` (tokenizes every prefix rendering and compares
-token ids; O(messages x prompt) tokenization, about 20x slower on 40-message agent chats). Tests compare them.
+token ids; O(messages x prompt) tokenization, much slower on long agent chats). Tests compare them.
 
 ## From the tokens alone
 
@@ -38,13 +38,12 @@ Selective recompute computes again the opening of every message that lies inside
 the header tokens that are not special (the role and its line break) and the first content
 token(s). After a deletion, a question about the removed content attends to the openings of the
 messages around it ("Documentation of ..."), and a relocated opening still carries what it saw
-of the removed text. Measured on the default model (docs/BENCHMARKS.md, "Selective recompute on
-fresh workload cases", 17 edited agent chats): SCR's mean KL goes from 0.00199 to 0.00127 nats
-with 8 seam tokens, for 7.8% of the prompt computed instead of 7.2%. The role and line break are
-recomputed too because a recomputed first token still attends to its stale header (an earlier
-version that recomputed the first content token alone: 0.00172 at 7.4%). The special token is
-left alone: recomputing <|im_start|> as well cost more (8.0%) for a higher KL (0.00134), and a
-case that strips reasoning went from 0.0005 to 0.0021.
+of the removed text; recomputing the openings lowers SCR's mean KL on edited agent chats for a
+little more of the prompt computed (docs/BENCHMARKS.md, "Selective recompute on fresh workload
+cases"). The role and line break are recomputed too because a recomputed first token still
+attends to its stale header. The special token is left alone: recomputing <|im_start|> as well
+cost more for a higher KL (both variants: docs/BENCHMARKS_HISTORY.md, "Selective recompute on
+fresh workload cases").
 
 A chat template writes each message as special token(s), a role, a line break, then the content:
 

@@ -4,9 +4,12 @@ and no development notes slip in."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import io
 import re
 import runpy
+import tokenize
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -192,3 +195,51 @@ def test_every_headline_figure_is_in_a_section_of_the_benchmarks_page():
     missing = [(number, bullet[:40]) for bullet in headline_bullets(text)
                for number in NUMBER.findall(bullet) if number.replace(",", "") not in found]
     assert not missing, f"headline figures no section of docs/BENCHMARKS.md shows: {missing}"
+
+
+# measured figures (timings, speed-ups, throughput, KL values, CPU names) that belong in
+# docs/BENCHMARKS.md or docs/BENCHMARKS_HISTORY.md; docstrings and comments state contracts and may
+# point there. Numbers that define something (defaults, limits, sizes by construction) do not match.
+MEASURED_FIGURE = re.compile(
+    r"\d+(?:\.\d+)?\s?(?:ms|us|µs)\b|\b\d+(?:\.\d+)?-\d+(?:\.\d+)?\s?s\b|\b\d+\.\d+x\b|"
+    r"\b\d+(?:\.\d+)?x (?:faster|slower|as long|more|less)\b|\d\.\d+(?:e-\d+)?\s?nats\b|"
+    r"\d\s?(?:tokens|tok)/s\b|\d\s?GB/s\b|Sapphire Rapids|\bXeon\b|\bEPYC\b|\bRyzen\b")
+
+
+def docstrings_and_comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every module, class and function docstring line and every comment of `path`."""
+    source = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring:
+                first = node.body[0].lineno
+                found += [(first + i, line) for i, line in enumerate(docstring.splitlines())]
+    found += [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+              if token.type == tokenize.COMMENT]
+    return found
+
+
+def test_no_measured_figures_in_code_docstrings_or_comments():
+    found = [f"{path.relative_to(ROOT)}:{line}: {text.strip()}"
+             for path in sorted((ROOT / "kvsplice").rglob("*.py"))
+             for line, text in docstrings_and_comments(path) if MEASURED_FIGURE.search(text)]
+    assert not found, ("measured figures belong in docs/BENCHMARKS.md (or docs/BENCHMARKS_HISTORY.md); "
+                       f"point to the section instead: {found}")
+
+
+# a pointer from code to a benchmark section: BENCHMARKS.md, "Title" (and "Other title")
+SECTION_POINTER = re.compile(r'(BENCHMARKS(?:_HISTORY)?\.md),? ((?:"[^"]+"(?:,? and |, )?)+)')
+
+
+def test_benchmark_sections_named_in_code_exist():
+    headings = {page: {line[3:].strip() for line in (DOCS / page).read_text().splitlines() if line.startswith("## ")}
+                for page in ("BENCHMARKS.md", "BENCHMARKS_HISTORY.md")}
+    missing = []
+    for path in sorted((ROOT / "kvsplice").rglob("*.py")):
+        text = " ".join(re.sub(r"\n\s*#\s?", " ", path.read_text()).split())  # comments joined, as prose
+        for page, titles in SECTION_POINTER.findall(text):
+            missing += [f"{path.relative_to(ROOT)}: {page}, {title!r}" for title in re.findall(r'"([^"]+)"', titles)
+                        if title not in headings[page]]
+    assert not missing, f"no such section: {missing}"

@@ -183,8 +183,10 @@ class Harness:
     engine built with it, prepared the same way.
     """
 
-    def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None):
-        self.reference = build_engine(EngineConfig(model=model, prefix_cache=False, num_slots=POOL_SLOTS))
+    def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None,
+                 dtype: str = "float32"):
+        self.reference = build_engine(EngineConfig(model=model, prefix_cache=False, num_slots=POOL_SLOTS,
+                                                   dtype=dtype))   # every engine shares its Decoder's dtype
         self.tokenizer = self.reference.tokenizer
         self.gen_tokens = gen_tokens
         self.base = base or ReuseConfig()

@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-target", type=float, default=DEFAULT_KL_TARGET,
                         help="mean KL the report checks the chosen setting against (nats)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared after turn 2")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
+                        help="compute dtype of SCR and of the exact reference alike (edits task)")
     return parser
 
 
@@ -202,7 +204,7 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     front = front_settings(tails=args.front_tails, seams=args.seams, removed_seams=args.removed_seams,
                            openings=args.openings)
     settings += [st for st in front if st.label not in {s.label for s in settings}]
-    harness = Harness(args.model, gen_tokens=args.gen_tokens)
+    harness = Harness(args.model, gen_tokens=args.gen_tokens, dtype=args.dtype)
     started = time.perf_counter()
     results, summaries = run_sweep(harness, settings, cases, anchor=not args.no_anchor)
     anchors = [] if args.no_anchor else summaries[len(settings):]

@@ -474,8 +474,8 @@ def _breakdown_table(reports: list[Report]) -> list[str]:
 
 
 def _edit_table(report: Report) -> list[str]:
-    # The last column splits the run's relocated share of ALL prompt tokens by edit kind (the seed's
-    # "of the 7.8% reused beyond prefix hits, 5.3 points come from reasoning stripping").
+    # The last column splits the run's relocated share of ALL prompt tokens by edit kind (to read as
+    # "of the X% reused beyond prefix hits, Y points come from reasoning stripping").
     lines = [f"| edit kind ({report.label}) | requests | prompt tokens | prefix | relocated | prefilled"
              " | relocated, % of all prompt tokens |", "|---|---:|---:|---:|---:|---:|---:|"]
     for kind, totals in report.by_edit.items():

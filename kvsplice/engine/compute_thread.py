@@ -7,11 +7,8 @@ and once a process holds more OpenMP threads than it has cores, libgomp stops th
 spinning between regions (the throttled GOMP_SPINCOUNT, see the libgomp manual's "GOMP_SPINCOUNT"):
 each of the several hundred small parallel ops of a decode step then waits for a worker to be woken
 from a futex. A model loaded on the main thread and stepped on an engine thread is exactly that
-case. Measured with the default model on 2 Sapphire Rapids cores, one stream decoding, 2 threads:
-
-    loaded on the main thread, stepped on the main thread        12 ms per step
-    loaded on the main thread, stepped on another thread          24 ms (1 thread there: 19 ms)
-    loaded and stepped on the same other thread                   12 ms
+case, measured slower than loading and stepping on one thread (docs/BENCHMARKS_HISTORY.md,
+"Decode threads in the server" and "Figures formerly quoted in code").
 
 So the server loads the model on its ComputeThread and runs the engine loop on the same thread
 (`AsyncEngine(compute=...)`); nothing else in the serving process calls torch.

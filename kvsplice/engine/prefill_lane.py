@@ -2,13 +2,13 @@
 so that tokens stream at the pace of decode-only steps while other requests prefill.
 
 Why. Without it, a step carries prefill chunks next to the decode rows (kvsplice.engine.scheduler)
-and every decoding request waits for them. Measured on 2 Sapphire Rapids cores with the default
-model: a step of 15 prefill tokens beside one decode row at a 2K-token context takes 43-50 ms, a
-decode row alone 12 ms. Most of it is paid again by every step of a chunked prefill: reading the
-weights in bf16 (the 120 projections take 14.8 ms at 16 rows, as at 1) and the chunk's attention
-over its whole context. With a lane, decode steps run alone on the engine thread and the prefill
-goes on the lane's thread in chunks of up to `max_batch_tokens`, which read the weights once for
-many tokens and never hold a decode step back.
+and every decoding request waits for them: a step with a prefill chunk beside a decode row costs
+several decode-only steps (docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's llama-server on the
+same GGUF"). Most of it is paid again by every step of a chunked prefill: reading the weights in
+bf16 (as costly at 16 rows as at 1) and the chunk's attention over its whole context. With a
+lane, decode steps run alone on the engine thread and the prefill goes on the lane's thread in
+chunks of up to `max_batch_tokens`, which read the weights once for many tokens and never hold a
+decode step back.
 
     engine thread (N - L threads):  decode | decode | decode | decode | decode | decode ...
     lane thread   (L threads):      [ prefill job: chunks, up to max_batch_tokens ] [ next job ]
@@ -69,8 +69,9 @@ def _own_thread_count(threads: int) -> None:
     count the process last set on any thread; a set_num_threads before that is overwritten then.
     So the lazy set-up is triggered first. Without it the lane took the engine thread's 2 threads
     whenever that thread had set 2 last, and the process then held more OpenMP threads than cores:
-    measured on 2 cores, every later decode step took 2x as long (libgomp stops its workers spinning,
-    see kvsplice.engine.compute_thread)."""
+    every later decode step was measured slower (libgomp stops its workers spinning, see
+    kvsplice.engine.compute_thread; docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's llama-server
+    on the same GGUF")."""
     torch.get_num_threads()
     torch.set_num_threads(threads)
 

@@ -356,7 +356,7 @@ class ReuseManager:
         for keep in plan.keeps:
             self._failpoint("relocate", req)
             relocate(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
-                     req.seq_slots[keep.dst_pos: keep.dst_end], keep.delta, rotary)
+                     req.seq_slots[keep.dst_pos: keep.dst_end], keep, rotary)
 
     def _with_room(self, attempt):
         """Run `attempt` (which allocates); when the pool is short, drop idle sessions one at a

@@ -29,8 +29,8 @@ _MAX_CHANGE = 2.0          # the share changes by at most this factor per step
 def _within_bucket(share: int, decoding: int) -> int:
     """`share`, less the decode rows when they would push the step's rows into the next row bucket
     (kvsplice.layers.shape_bucket) and are at most a quarter of it: 16 prefill tokens next to 1
-    decode row would run every bf16 matmul at 32 rows, 15 run at 16 (measured on 2 Sapphire Rapids
-    cores, the default model's 120 projections: 13.4 ms at 16 rows, 16.0 ms at 32)."""
+    decode row would run every bf16 matmul at 32 rows, 15 run at 16, measured cheaper (figures in
+    docs/BENCHMARKS_HISTORY.md, "Figures formerly quoted in code")."""
     if bucket(share + decoding) > bucket(share) and 4 * decoding <= share:
         return bucket(share) - decoding
     return share
@@ -50,7 +50,7 @@ class StepBudget:
         if decoding == 0:
             return self.max_tokens
         # a multiple of min_tokens: every new batch shape costs the bf16 matmul a kernel build
-        # (oneDNN, about 0.5 ms per linear, measured), so the shares a step can take stay few
+        # (oneDNN, measured per linear), so the shares a step can take stay few
         rounded = int(self.share) // self.min_tokens * self.min_tokens
         share = max(self.min_tokens, min(self.max_tokens, rounded))
         return _within_bucket(share, decoding)

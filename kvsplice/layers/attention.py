@@ -137,11 +137,10 @@ class SequencePlan:
 
 
 # Query rows (after padding) up to which a masked attention stacks the q heads of each kv head as
-# rows of one head: measured on 2 Sapphire Rapids cores, 9 q / 3 kv heads of 64 over a 2,048-token
-# bf16 context, CPU flash attention took 231 / 272 / 303 / 469 / 569 us for 2 / 8 / 16 / 32 / 64
-# queries with enable_gqa and 114 / 174 / 250 / 363 / 599 us stacked (the same bits): its cost is
-# mostly per pass over the keys, and stacking makes 3 passes instead of 9. (In fp32 both take the
-# same time: 224 / 231 us for 4 queries, 558 / 542 for 16.)
+# rows of one head (the same bits): in bf16 CPU flash attention's cost is mostly per pass over the
+# keys, and stacking makes one pass per kv head instead of one per q head; measured faster up to
+# this many rows, and no faster in fp32 (figures in docs/BENCHMARKS_HISTORY.md, "Figures formerly
+# quoted in code").
 FOLD_MAX_QUERY_ROWS = 32
 
 
@@ -163,11 +162,11 @@ def plan_sequence(query_pos: torch.Tensor, context_slots: torch.Tensor, context_
         queries:  [ q_0 ... q_{Q-1} | zeros ]     see every real key, sliced off after
 
     With the plain causal mask Q == C pads to the same size, and a real row i sees only j <= i.
-    Why: measured on 2 Sapphire Rapids cores, 400 random prefill shapes of the default model's bf16
-    attention grew a process by 473 MiB causal and 387 MiB masked; bucketed, by 23 MiB and 89 MiB
-    over 800 shapes (most of it malloc's high-water mark). A context that is one ascending run of
-    slots (a fresh prefill, as the allocator hands slots out) is read as a view instead of gathered:
-    at a 2,000-token context the gathers took 8.6 ms of a 53 ms mixed step. The padding slots are
+    Why: every bf16 attention shape keeps kernel code for good, and random prefill shapes grew a
+    process by hundreds of MiB unbucketed (docs/BENCHMARKS_HISTORY.md, "Soak: hostile and ordinary
+    traffic against one server"). A context that is one ascending run of slots (a fresh prefill, as
+    the allocator hands slots out) is read as a view instead of gathered: at long contexts the
+    gathers were a measurable share of a mixed step. The padding slots are
     other requests' entries or zeros; masked out, they weigh exactly 0.
     """
     query_len, context_len = query_pos.numel(), context_slots.numel()
@@ -216,7 +215,7 @@ def planned_attention(q: torch.Tensor, plan: SequencePlan, k_layer: torch.Tensor
         k = k_layer[plan.slots].to(q.dtype)
         v = v_layer[plan.slots].to(q.dtype)
     # SDPA wants [batch, heads, rows, dim]: 4-D inputs let torch pick its fused CPU kernel
-    # (3-D ones fall back to the unfused math path, ~4x slower); the mask broadcasts over heads.
+    # (3-D ones fall back to the slower unfused math path); the mask broadcasts over heads.
     # enable_gqa expands the kv heads inside SDPA, q head h reading kv head h // (Hq / Hkv)
     # exactly as transformers' repeat_kv, without copying K/V once per q head. Folded, q heads
     # kv * fold .. kv * fold + fold - 1 become rows of head kv (the mask repeats per folded head).

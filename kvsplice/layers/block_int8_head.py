@@ -2,20 +2,19 @@
 fp32 by a compiled loop (`kvsplice serve --compile-decode`).
 
 Why: fidelity, not speed. The bf16 head rounds the weights to 8 significant bits and its logits
-to bf16; on the built-in edit cases' final hidden rows that alone is KL 4.9e-4 nats from the exact
-head, about half of what bf16 costs against the fp32 model. This head is 1e-12 from exact. It runs
-at the bf16 head's speed: 0.93-0.99x of its time with the weights coming from memory, as in a
-decode step (the default model's 28 MB of int8 and 3.5 MB of scales against 57 MB of bf16, read by
-a loop that streams them at about 10 GB/s against oneDNN's 19). Measured on 2 Intel Xeon cores with
-avx512_bf16 by benchmarks/row_head.py (docs/BENCHMARKS.md). It serves one-row products only: a
-loop that reads the weights once per row loses to the bf16 matmul from two rows on.
+to bf16, a measurable KL from the exact head; this head computes the exact one. It runs at the bf16
+head's speed, not faster: the default model's 28 MB of int8 and 3.5 MB of scales are half the
+bytes of its 57 MB of bf16, but the loop streams them slower than oneDNN's kernel
+(benchmarks/row_head.py; docs/BENCHMARKS.md, "One decode row's lm_head from the GGUF's Q8_0
+blocks"). It serves one-row products only: a loop that reads the weights once per row loses to the
+bf16 matmul from two rows on.
 
 Numerics. GGUF's Q8_0 stores w = d q per block of 32 inputs (q int8 with max |q| = 127, d fp16).
 The converter dequantizes that to fp32 exactly (an 11-bit d times a 7-bit q fits in fp32's 24 bits),
 and `int8_blocks` recovers (q, d) from the fp32 values bit for bit before the model is cast to bf16.
 So this head computes the checkpoint's own weights, and its logits are closer to the fp32
 reference than those of the bf16 copy, which keeps 8 significant bits of each d q. It never
-requantizes: from bf16 copies, rounding d q to 8 bits moves 1.4% of the default model's q by one
+requantizes: from bf16 copies, rounding d q to 8 bits moves some of the default model's q by one
 step. A head that is not exactly int8 blocks (`int8_blocks` returns None) has no row head.
 
     values  [K/32, 32, V] int8     block b, input i of the block, output v: contiguous in v, so
@@ -76,7 +75,7 @@ def int8_blocks(weight: torch.Tensor) -> Optional[Int8Blocks]:
     """`weight [V, K]` (as the checkpoint stores it, before any cast) as Int8Blocks when it is
     exactly int8 values times one scale per block of 32 inputs (GGUF's Q8_0 dequantized); None
     otherwise, and for a weight whose width does not split into blocks. Reads the whole weight
-    (about 0.5 s for the default model's 28 M values) unless its first rows already fail."""
+    (the default model's 28 M values) unless its first rows already fail."""
     if weight.dim() != 2 or weight.shape[1] % BLOCK or not weight.is_floating_point():
         return None
     if _exact_blocks(weight[:_PROBE_ROWS]) is None:

@@ -10,8 +10,8 @@ v in 0..15 per weight and a scale s and zero z per group of 32:
         z_0 = (lo + 8) s + o,  z_p = 8 s 16^p above
 
 One plane for the 4-bit formats, two for Q5_0 / Q5_K (the second holds the fifth bit) and Q8_0.
-The kernel is fast only with bf16 activations and bf16 scales (its fp32 path is ~30x slower on
-AVX-512 CPUs), so the planes hold bf16 `s 16^p` and `z_p` by default: each weight is then off by
+The kernel is fast only with bf16 activations and bf16 scales (its fp32 path is many times slower
+on AVX-512 CPUs), so the planes hold bf16 `s 16^p` and `z_p` by default: each weight is then off by
 at most 2^-7 (8 |s_p| + |z_p|) summed over its planes, the bf16 roundings (unit roundoff 2^-8) of
 its scale, zero and output (the tests check the bound); with `kernel_dtype=torch.float32` only the
 fp32 roundings of z_0 and of the kernel remain.
@@ -48,7 +48,7 @@ KERNEL_ROWS = 16             # the int4 kernel's packing takes N divisible by th
 SMALL_BATCH_ROWS = 16
 BLOCK_ELEMENTS = 1 << 18     # one row block's fp32 buffer: 1 MiB, within a core's L2
 # bf16 activations from this many rows on multiply bf16 row blocks (below, oneDNN's reorder of each
-# block's weight costs more than the fp32 matmul; measured on a Sapphire Rapids core: fp32 faster
+# block's weight costs more than the fp32 matmul; measured on a core with AMX: fp32 faster
 # at 8 rows, bf16 at 16 and 64)
 BF16_BLOCK_ROWS = 16
 _VALUE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_K": 5, "Q8_0": 8}

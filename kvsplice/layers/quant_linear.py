@@ -15,17 +15,16 @@ held in bf16, as the kernels take them.
 
 The kernels are fast only for a few rows (they dequantize per row); above `small_batch_rows`
 rows `PackedLinear` multiplies with the dense copy instead (bf16 matmul is compute-efficient
-there). Measured on a Sapphire Rapids core, 30 layers of SmolLM2-135M: int4 beats bf16 dense
-below ~12 rows, int8 below ~6.
+there). `SMALL_BATCH_ROWS` holds the crossovers measured on SmolLM2-135M's 30 layers (figures in
+docs/BENCHMARKS_HISTORY.md, "Figures formerly quoted in code").
 
 Where oneDNN runs bf16 natively (avx512_bf16 / AMX), a bf16 dense copy is also held prepacked in
 oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the layout torch.compile's
 CPU backend packs linears into): a plain bf16 F.linear reorders its weight on every call. The
-results are the same (bit for bit, measured here). Measured on 2 Sapphire Rapids cores, the
-default model's 120 projections: 13.4 ms instead of 19.7 at 16 rows, 33 instead of 46 at 256; its
-lm_head 1.2 ms instead of 2.0 for one row. int4 then beats the dense copy up to 8 rows (11.1
-against 12.2 ms at 8, 16.6 against 12.2 at 12) and int8 up to 3, so `small_batch_rows` is 8 and 3
-there. The prepacked copy costs the memory of the dense one again.
+results are the same (bit for bit). The prepacked copy was measured faster, at every row count
+and for the lm_head, and moves the crossovers down, so `SMALL_BATCH_ROWS_PREPACKED` holds them
+there (figures in docs/BENCHMARKS_HISTORY.md, "Figures formerly quoted in code"). The prepacked
+copy costs the memory of the dense one again.
 """
 
 from __future__ import annotations
@@ -137,10 +136,9 @@ def is_lossless(weight: torch.Tensor, fmt: str) -> bool:
     return bool((off_grid <= 1e-3 * step + rounding * grid_top).all())
 
 
-# Linears in bf16 / fp16 run at `shape_bucket.bucket(rows)` rows. Measured on 2 Sapphire Rapids
-# cores: 496 distinct row counts of one [1536, 576] bf16 linear grew the process by 511 MiB; the 64
-# small row counts of the default model's five weight shapes take 209 MiB, row counts 128..2,112 in
-# steps of 64 another 173 MiB; bucketed, the small ones become 7 shapes per weight.
+# Linears in bf16 / fp16 run at `shape_bucket.bucket(rows)` rows: every distinct row count keeps
+# kernel code for good (docs/BENCHMARKS_HISTORY.md, "Soak: hostile and ordinary traffic against
+# one server"); bucketed, the 64 small row counts become 7 shapes per weight.
 def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     prepacked: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K], computed on `bucket(M)` rows (zero rows, sliced off)

@@ -159,6 +159,48 @@ def rerotate(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> to
     return apply_rope(k, cos, sin)
 
 
+def unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_scaling: float) -> torch.Tensor:
+    """The inverse of `apply_rope(x, cos * attention_scaling, sin * attention_scaling)`: stored keys
+    `k [N, heads, head_dim]` turned back by the angles of the unscaled `cos`/`sin [N, rotary_dim]`
+    (the tables that rotated them) and divided by `attention_scaling`. fp32 out (not rounded). Pure."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x = k.to(torch.float32)
+    x_rot = x[..., :rotary_dim]
+    turned = x_rot * cos - _rotate_half(x_rot) * sin   # R(-angle) = R(angle) transposed
+    if attention_scaling != 1.0:
+        turned = turned / attention_scaling
+    return torch.cat((turned, x[..., rotary_dim:]), dim=-1) if rotary_dim < k.shape[-1] else turned
+
+
+def move_keys(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, inv_freq: torch.Tensor,
+              attention_scaling: float) -> torch.Tensor:
+    """Stored keys `k [N, heads, head_dim]`, rotated at `src_pos [N]`, as a forward at `dst_pos [N]`
+    would have stored them. Returns k.dtype. Used by SCR relocation.
+
+    fp32 keys: `rerotate(k, dst_pos - src_pos)` (one turn by the delta; exact to fp32 rounding).
+    bf16 / fp16 keys: a forward rounds the rotated key once, round(R(p) k_proj), where the
+    projection k_proj is itself a bf16 / fp16 output, i.e. a point of that grid. Turning the
+    rounded key by the delta and rounding again, round(R(d) round(R(p) k_proj)), carries the first
+    rounding along and adds a second one to every element (docs/BENCHMARKS_HISTORY.md,
+    "Figures formerly quoted in code"). Instead the key is turned back to the
+    projection's grid and rounded there, which recovers k_proj exactly in most elements (the
+    rounding error of the stored key is under half a grid step of the element), then rotated by
+    the destination's own tables and rounded once, as the forward at dst_pos does:
+
+        stored = round(R(src) k_proj)
+        k_hat  = round(R(-src) stored)            == k_proj where recovered
+        moved  = round(R(dst) k_hat)              == the fresh key, bit for bit, where recovered
+
+    Where an element of small magnitude is not recovered (its pair partner is much larger), its
+    error stays within the stored key's own rounding error, as before.
+    """
+    if k.dtype == torch.float32:
+        return rerotate(k, dst_pos - src_pos, inv_freq)
+    raw = unrotate(k, *rope_cos_sin(src_pos, inv_freq, 1.0), attention_scaling).to(k.dtype)
+    return apply_rope(raw, *rope_cos_sin(dst_pos, inv_freq, attention_scaling))
+
+
 class Rotary:
     """A model's RoPE: inv_freq (fp32, on `device`) and attention_scaling, computed once."""
 
@@ -175,6 +217,10 @@ class Rotary:
         """`rerotate(k, delta, self.inv_freq)`."""
         return rerotate(k, delta, self.inv_freq)
 
+    def move_keys(self, k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> torch.Tensor:
+        """`move_keys(k, src_pos, dst_pos, self.inv_freq, self.attention_scaling)`."""
+        return move_keys(k, src_pos, dst_pos, self.inv_freq, self.attention_scaling)
+
 
 class LayerRotaries:
     """The RoPE of each layer, for models whose layers differ in it (Gemma 3: one theta for the
@@ -183,7 +229,7 @@ class LayerRotaries:
     def __init__(self, layer_ropes: tuple[RopeConfig, ...], kv_layers: tuple[int, ...],
                  device: str | torch.device = "cpu"):
         """`layer_ropes`: one per model layer; `kv_layers`: the model layers that keep K/V, in
-        KV-pool order (the layers `rerotate` turns)."""
+        KV-pool order (the layers `move_keys` turns)."""
         by_config = {rope: Rotary(rope, device) for rope in dict.fromkeys(layer_ropes)}
         self.layers = tuple(by_config[rope] for rope in layer_ropes)
         self.kv_layers = tuple(self.layers[layer_id] for layer_id in kv_layers)
@@ -193,9 +239,10 @@ class LayerRotaries:
         tables = {id(rotary): rotary.cos_sin(positions) for rotary in self.layers}
         return [tables[id(rotary)] for rotary in self.layers]
 
-    def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """`Rotary.rerotate` of keys `k [N, kv_layers * heads, head_dim]` (the KV-pool layers side
+    def move_keys(self, k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> torch.Tensor:
+        """`Rotary.move_keys` of keys `k [N, kv_layers * heads, head_dim]` (the KV-pool layers side
         by side, as SCR relocation passes them), each layer's heads by that layer's RoPE."""
         per_layer = k.view(k.shape[0], len(self.kv_layers), -1, k.shape[-1])
-        turned = [rotary.rerotate(per_layer[:, index], delta) for index, rotary in enumerate(self.kv_layers)]
-        return torch.stack(turned, dim=1).view(k.shape)
+        moved = [rotary.move_keys(per_layer[:, index], src_pos, dst_pos)
+                 for index, rotary in enumerate(self.kv_layers)]
+        return torch.stack(moved, dim=1).view(k.shape)

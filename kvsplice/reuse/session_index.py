@@ -14,9 +14,10 @@ never counts as evidence that a prompt continues one particular session (the wei
 is all or nothing, the extreme form of inverse document frequency).
 
 Memory: one dict entry and one small list per distinct chunk of each session, plus 8 bytes per
-chunk for the session's own hash array: about 5.4 KB per 1,000 tokens of a session with the default
-16-token chunks (benchmarks/match_cost.py measures it), against 8 bytes per token of the session's
-token list itself.
+chunk for the session's own hash array, a few KB per 1,000 tokens of a session with the default
+16-token chunks (benchmarks/match_cost.py measures it: docs/BENCHMARKS.md, "Session matching at
+scale: 1,000 sessions, 8K and 128K prompts"), against 8 bytes per token of the session's token list
+itself.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Option
     """Load the model, write the `kvsplice.start` line to `log`, and return the app. Raises what
     `build_engine` raises (ValueError / OSError for a model it cannot load). `failpoints`: a test
     seam handed to the Engine. The model is loaded on the ComputeThread that will step it (see
-    kvsplice.engine.compute_thread: loaded on this thread instead, a decode step takes twice as
-    long)."""
+    kvsplice.engine.compute_thread: loaded on this thread instead, a decode step was measured
+    slower)."""
     from kvsplice.engine.llm import build_engine  # imports torch and the model code
 
     compute = ComputeThread()
@@ -70,11 +70,11 @@ def freeze_startup_heap() -> int:
     the model, the compiled graphs and the app, alive until the process ends).
 
     Why: CPython's collector holds the GIL while it runs, and the engine thread needs the GIL
-    between the ops of every step. A served process holds about 340,000 tracked objects after
-    start-up, and 1.1 million with `--compile-decode` (sympy expressions of the traced graphs'
-    symbolic shapes); measured on 2 Intel Xeon cores while serving, each oldest-generation
-    collection then took 110-590 ms, a stall of every stream (docs/BENCHMARKS.md). vLLM freezes
-    its start-up heap for the same reason."""
+    between the ops of every step. A served process holds hundreds of thousands of tracked
+    objects after start-up, more with `--compile-decode` (sympy expressions of the traced graphs'
+    symbolic shapes), so each oldest-generation collection was measured stalling every stream
+    (docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's llama-server on the same GGUF"). vLLM
+    freezes its start-up heap for the same reason."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -15,12 +15,12 @@ While a prefill-lane job runs on its own thread (kvsplice.engine.prefill_lane, `
 the engine thread's steps, lm_head included, take at most `compute_threads - lane_threads`, so the
 two together never ask for more threads than the process has.
 
-On 2 Sapphire Rapids cores serving the default model, with the engine stepped on the thread that
-loaded it (kvsplice.engine.compute_thread), every thread is the faster setting: 13.3 ms between
-streamed tokens of one request and 272 tokens/s for 8 streams, against 17.8 ms and 195 tokens/s
-with `--decode-threads 1` (benchmarks/decode_threads.py, docs/BENCHMARKS.md). (An earlier
-measurement that favoured one thread fewer had the engine stepped on a second thread, where
-libgomp no longer lets its workers spin; the event loop itself takes about 0.3 ms per token.)
+On 2 cores serving the default model, with the engine stepped on the thread that
+loaded it (kvsplice.engine.compute_thread), every thread is the faster setting, for one stream and
+for 8 (benchmarks/decode_threads.py; docs/BENCHMARKS.md, "Decode threads in the server"). (An
+earlier measurement that favoured one thread fewer had the engine stepped on a second thread, where
+libgomp no longer lets its workers spin; the event loop's own cost per token is in
+docs/BENCHMARKS_HISTORY.md, "Decode threads in the server".)
 
 The fast path's lm_head always gets every thread: one matmul bound by reading its 49,152 x 576
 weight (on the default model), which a second thread speeds up, and a single op, so a thread

@@ -24,6 +24,7 @@ from kvsplice.models.decoder import Decoder
 from kvsplice.models.gguf_convert import hf_tensor_name
 from kvsplice.models.loader import load_checkpoint
 from kvsplice.reuse.config import ReuseConfig
+from kvsplice.reuse.plan import Keep
 from kvsplice.reuse.relocate import relocate
 from kvsplice.sampling_params import SamplingParams
 from tests.tiny_model import make_tokenizer_files
@@ -147,7 +148,7 @@ def test_relocated_keys_turn_by_each_layers_rope(tiny):
     # a single token attends only to itself, so its K/V depend on its position alone
     ours(ForwardBatch.single(ids, torch.tensor([7]), src, src, torch.tensor([7])), pool)
     ours(ForwardBatch.single(ids, torch.tensor([19]), shifted, shifted, torch.tensor([19])), pool)
-    relocate(pool, src, dst, 12, ours.rotary)
+    relocate(pool, src, dst, Keep(src_pos=7, dst_pos=19, length=1), ours.rotary)
     assert torch.allclose(pool.k[:, 4], pool.k[:, 5], atol=1e-5)
     assert torch.equal(pool.v[:, 4], pool.v[:, 3])
 
