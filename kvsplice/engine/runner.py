@@ -6,6 +6,7 @@ the request's next token, and every prompt row when prompt logprobs were asked f
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from kvsplice.models.decoder import Decoder
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.models.quantize import WeightFormat, apply_weight_format, resolve_weight_format
 from kvsplice.utils.thread_policy import ThreadPolicy
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class ModelRunner:
                     self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
                                              config.decode_arena_tokens, device=pool.k.device,
                                              min_rows=2 if config.compile_decode else 1)
+            elif config.fast_path and states is None:
+                logger.warning("the fast path does not implement %s (%s): every batch runs on the reference Decoder",
+                               model.cfg.model_type, FastDecoder.refusal(model.cfg))
         if config.compile_decode and self.fast is None:
             raise ValueError("--compile-decode needs the fast path: an attention-only model without sliding "
                              "windows, and no --no-fast-path")

@@ -220,3 +220,29 @@ class Rotary:
     def move_keys(self, k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> torch.Tensor:
         """`move_keys(k, src_pos, dst_pos, self.inv_freq, self.attention_scaling)`."""
         return move_keys(k, src_pos, dst_pos, self.inv_freq, self.attention_scaling)
+
+
+class LayerRotaries:
+    """The RoPE of each layer, for models whose layers differ in it (Gemma 3: one theta for the
+    sliding layers, another for the global ones): one Rotary per distinct RopeConfig."""
+
+    def __init__(self, layer_ropes: tuple[RopeConfig, ...], kv_layers: tuple[int, ...],
+                 device: str | torch.device = "cpu"):
+        """`layer_ropes`: one per model layer; `kv_layers`: the model layers that keep K/V, in
+        KV-pool order (the layers `move_keys` turns)."""
+        by_config = {rope: Rotary(rope, device) for rope in dict.fromkeys(layer_ropes)}
+        self.layers = tuple(by_config[rope] for rope in layer_ropes)
+        self.kv_layers = tuple(self.layers[layer_id] for layer_id in kv_layers)
+
+    def cos_sin(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin `[N, rotary_dim]` for `positions` (computed once per distinct RoPE)."""
+        tables = {id(rotary): rotary.cos_sin(positions) for rotary in self.layers}
+        return [tables[id(rotary)] for rotary in self.layers]
+
+    def move_keys(self, k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> torch.Tensor:
+        """`Rotary.move_keys` of keys `k [N, kv_layers * heads, head_dim]` (the KV-pool layers side
+        by side, as SCR relocation passes them), each layer's heads by that layer's RoPE."""
+        per_layer = k.view(k.shape[0], len(self.kv_layers), -1, k.shape[-1])
+        moved = [rotary.move_keys(per_layer[:, index], src_pos, dst_pos)
+                 for index, rotary in enumerate(self.kv_layers)]
+        return torch.stack(moved, dim=1).view(k.shape)

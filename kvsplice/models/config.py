@@ -16,7 +16,8 @@ from typing import Any, Literal, Optional
 from kvsplice.layer_configs import HybridLayout, LinearAttnConfig, RopeConfig
 
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
-SlidingRule = Literal["none", "every_layer", "qwen_window_layers"]
+SlidingRule = Literal["none", "every_layer", "qwen_window_layers", "layer_pattern"]
+Activation = Literal["silu", "gelu_pytorch_tanh"]
 
 _ROPE_KINDS: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 _DEFAULT_THETA = 10_000.0
@@ -36,6 +37,8 @@ class ArchFacts:
     default_eos: Optional[int]
     sliding: SlidingRule
     hybrid: Optional[HybridLayout] = None  # Gated DeltaNet layers + gated attention (qwen3_5/next)
+    gemma: bool = False   # Gemma 3 blocks: scaled embeddings, four zero-centred norms per layer,
+                          # GELU-tanh, query_pre_attn_scalar, a RoPE per layer type, tied by default
 
 
 ARCH_FACTS: dict[str, ArchFacts] = {
@@ -46,7 +49,14 @@ ARCH_FACTS: dict[str, ArchFacts] = {
     # hybrids; "qwen3_5" (the multimodal wrapper) is read through its text_config
     "qwen3_5_text": ArchFacts(None, True, True, 256, 4, 32768, None, None, "none", "qwen3_5"),
     "qwen3_next": ArchFacts(None, True, True, 256, 2, 32768, None, None, "none", "qwen3_next"),
+    # transformers' Gemma3TextConfig (the text model; a GGUF "gemma3" converts to it)
+    "gemma3_text": ArchFacts(None, True, True, 256, 4, 131_072, 2, 1, "layer_pattern", gemma=True),
 }
+# Gemma3TextConfig: RoPE theta of the global and the sliding layers, and the default layer pattern
+# (every 6th layer global, the others sliding)
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,17 @@ class ModelConfig:
     norm_zero_centered: bool = False
     attn_output_gate: bool = False
     linear_attn: Optional[LinearAttnConfig] = None
+    # Gemma 3: the RoPE of each layer (empty: every layer uses `rope`), embeddings times
+    # sqrt(hidden_size), the norms around attention and MLP outputs too ("sandwich": input,
+    # post-attention, pre-feedforward, post-feedforward), the MLP's activation, attention scores
+    # scaled by query_pre_attn_scalar^-0.5 (None: head_dim^-0.5), logits capped by
+    # cap * tanh(logits / cap) (None: not capped)
+    layer_ropes: tuple[RopeConfig, ...] = ()
+    scaled_embeddings: bool = False
+    sandwich_norms: bool = False
+    hidden_act: Activation = "silu"
+    query_pre_attn_scalar: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -98,6 +119,11 @@ class ModelConfig:
     def num_linear_layers(self) -> int:
         return self.num_layers - self.num_kv_layers
 
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep per-token K/V, in KV-pool order."""
+        return tuple(i for i, kind in enumerate(self._types()) if kind != "linear_attention")
+
     def kv_layer_index(self, layer_id: int) -> int:
         """Index of attention layer `layer_id` among the K/V-keeping layers (its KV pool layer)."""
         return sum(1 for kind in self._types()[:layer_id] if kind != "linear_attention")
@@ -108,6 +134,15 @@ class ModelConfig:
 
     def _types(self) -> tuple[LayerType, ...]:
         return self.layer_types or ("full_attention",) * self.num_layers
+
+    def layer_rope(self, layer_id: int) -> RopeConfig:
+        """The RoPE of layer `layer_id` (Gemma 3: its layer type's; otherwise `rope`)."""
+        return self.layer_ropes[layer_id] if self.layer_ropes else self.rope
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by: query_pre_attn_scalar^-0.5, else head_dim^-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_window(self, layer_id: int) -> Optional[int]:
         """The sliding window of layer `layer_id`, or None for full attention."""
@@ -125,15 +160,15 @@ class ModelConfig:
         attn += 2 * self.head_dim * self.qk_norm
         mlp = 3 * self.hidden_size * self.intermediate_size
         mlp += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
-        norms = 2 * self.hidden_size
+        norms = (4 if self.sandwich_norms else 2) * self.hidden_size
         linear = self.linear_attn.num_params(self.hidden_size) if self.linear_attn is not None else 0
         return (self.num_kv_layers * attn + self.num_linear_layers * linear
                 + self.num_layers * (mlp + norms) + self.hidden_size)
 
     @staticmethod
     def from_hf_config(d: dict[str, Any]) -> "ModelConfig":
-        """Build from a transformers config.json dict (llama, mistral, qwen2, qwen3, and the
-        hybrids qwen3_5_text, qwen3_5 (its text part) and qwen3_next without MoE layers).
+        """Build from a transformers config.json dict (llama, mistral, qwen2, qwen3, gemma3_text, and
+        the hybrids qwen3_5_text, qwen3_5 (its text part) and qwen3_next without MoE layers).
 
         Raises ValueError naming the problem for an unsupported model_type, rope type or
         activation, or a missing required key. Does not modify `d`.
@@ -144,8 +179,7 @@ class ModelConfig:
         facts = ARCH_FACTS.get(model_type)
         if facts is None:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: {sorted(ARCH_FACTS)})")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
+        hidden_act = _activation(d, facts)
         hidden, num_heads = _required(d, "hidden_size"), _required(d, "num_attention_heads")
         num_layers = _required(d, "num_hidden_layers")
         head_dim = d.get("head_dim") or facts.default_head_dim or hidden // num_heads
@@ -156,6 +190,12 @@ class ModelConfig:
             sliding_window, layer_types = None, _hybrid_layer_types(d, num_layers)
         else:
             sliding_window, layer_types = _sliding(d, facts, num_layers)
+        if facts.gemma:
+            _check_gemma3(d)
+            ropes = _gemma3_ropes(d, head_dim, max_pos)
+            rope, layer_ropes = ropes["full_attention"], tuple(ropes[kind] for kind in layer_types)
+        else:
+            rope, layer_ropes = rope_from_hf_config(d, head_dim, max_pos), ()
         return ModelConfig(
             model_type=model_type,
             vocab_size=_required(d, "vocab_size"),
@@ -166,7 +206,7 @@ class ModelConfig:
             num_kv_heads=d.get("num_key_value_heads") or facts.default_kv_heads or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", facts.gemma)),
             attention_bias=attention_bias if facts.qkv_bias is None else facts.qkv_bias,
             o_proj_bias=attention_bias and facts.o_bias_follows_config,
             mlp_bias=bool(d.get("mlp_bias", False)),
@@ -174,13 +214,59 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             bos_token_id=d.get("bos_token_id", facts.default_bos),
             eos_token_ids=_eos_tuple(d.get("eos_token_id", facts.default_eos)),
-            rope=rope_from_hf_config(d, head_dim, max_pos),
+            rope=rope,
             sliding_window=sliding_window,
             layer_types=layer_types,
-            norm_zero_centered=facts.hybrid is not None,
+            norm_zero_centered=facts.hybrid is not None or facts.gemma,
             attn_output_gate=facts.hybrid is not None,
             linear_attn=_linear_attn(d, facts.hybrid) if facts.hybrid is not None else None,
+            layer_ropes=layer_ropes,
+            scaled_embeddings=facts.gemma,
+            sandwich_norms=facts.gemma,
+            hidden_act=hidden_act,
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", 256)) if facts.gemma else None,
+            final_logit_softcapping=_opt_float(d.get("final_logit_softcapping")) if facts.gemma else None,
         )
+
+
+def _activation(d: dict[str, Any], facts: ArchFacts) -> Activation:
+    """The MLP's activation: Gemma's `hidden_activation` (GELU-tanh by default), else `hidden_act`
+    (SiLU by default); ValueError for any other."""
+    if facts.gemma:
+        act = d.get("hidden_activation") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported hidden_activation {act!r} (only gelu_pytorch_tanh)")
+        return act
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+    return act
+
+
+def _check_gemma3(d: dict[str, Any]) -> None:
+    """ValueError for the Gemma 3 options kvsplice does not implement."""
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError("attention logit softcapping (attn_logit_softcapping) is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (kvsplice decodes causally)")
+
+
+def _gemma3_ropes(d: dict[str, Any], head_dim: int, max_pos: int) -> dict[str, RopeConfig]:
+    """The RoPE of each Gemma 3 layer type, as Gemma3TextConfig.convert_rope_params_to_dict reads
+    them: `rope_parameters` keyed by layer type, or the legacy `rope_theta` (global layers),
+    `rope_local_base_freq` (sliding layers) and `rope_scaling` (global layers only)."""
+    nested = d.get("rope_parameters") or {}
+    if nested and not set(nested) <= set(_GEMMA3_THETA):
+        raise ValueError(f"gemma3 rope_parameters must be keyed by layer type, got {sorted(nested)}")
+    legacy_theta = {"full_attention": d.get("rope_theta"), "sliding_attention": d.get("rope_local_base_freq")}
+    ropes = {}
+    for kind, default_theta in _GEMMA3_THETA.items():
+        params = dict(nested.get(kind) or {"rope_type": "default"})
+        if kind == "full_attention" and d.get("rope_scaling"):
+            params.update(d["rope_scaling"])
+        params.setdefault("rope_theta", legacy_theta[kind] if legacy_theta[kind] is not None else default_theta)
+        ropes[kind] = rope_from_hf_config({"rope_parameters": params}, head_dim, max_pos)
+    return ropes
 
 
 def _qwen3_5_text_part(d: dict[str, Any]) -> dict[str, Any]:
@@ -252,22 +338,34 @@ def _eos_tuple(eos: Any) -> tuple[int, ...]:
 def _sliding(d: dict[str, Any], facts: ArchFacts,
              num_layers: int) -> tuple[Optional[int], tuple[LayerType, ...]]:
     """Sliding window and per-layer attention types, as the transformers config classes set them."""
-    window = d.get("sliding_window")
+    window = d.get("sliding_window", _GEMMA3_WINDOW if facts.sliding == "layer_pattern" else None)
     if facts.sliding == "qwen_window_layers" and not d.get("use_sliding_window", False):
         window = None
+    if facts.sliding == "layer_pattern":
+        # Gemma 3: the layer types also choose each layer's RoPE, so they hold without a window;
+        # with no layer_types, every `sliding_window_pattern`-th layer is global (Gemma3TextConfig)
+        pattern = int(d.get("sliding_window_pattern") or _GEMMA3_SLIDING_PATTERN)
+        types = _layer_types(d, num_layers) or tuple(
+            "sliding_attention" if (layer_id + 1) % pattern else "full_attention" for layer_id in range(num_layers))
+        return None if window is None else int(window), types
     if facts.sliding == "none" or window is None:
         return None, ("full_attention",) * num_layers
     if facts.sliding == "every_layer":
         return int(window), ("sliding_attention",) * num_layers
     if d.get("layer_types"):
-        types = tuple(d["layer_types"])
-        unknown = set(types) - {"full_attention", "sliding_attention"}
-        if unknown or len(types) != num_layers:
-            raise ValueError(f"bad layer_types {types!r} for {num_layers} layers")
-        return int(window), types
+        return int(window), _layer_types(d, num_layers)
     first_sliding = d.get("max_window_layers", 28)
     return int(window), tuple("sliding_attention" if layer_id >= first_sliding else "full_attention"
                               for layer_id in range(num_layers))
+
+
+def _layer_types(d: dict[str, Any], num_layers: int) -> tuple[LayerType, ...]:
+    """`layer_types` of full and sliding attention layers, checked (empty when absent)."""
+    types = tuple(d.get("layer_types") or ())
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if types and (unknown or len(types) != num_layers):
+        raise ValueError(f"bad layer_types {types!r} for {num_layers} layers")
+    return types
 
 
 def rope_from_hf_config(d: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:

@@ -1,5 +1,5 @@
-"""One config-driven decoder for the llama family (llama, mistral, qwen2, qwen3) and the hybrids
-(qwen3_5_text / qwen3_5 text part, qwen3_next without MoE).
+"""One config-driven decoder for the llama family (llama, mistral, qwen2, qwen3), Gemma 3 (text) and
+the hybrids (qwen3_5_text / qwen3_5 text part, qwen3_next without MoE).
 
 Parameter names are the HF checkpoint names, so an HF state dict loads directly:
 
@@ -8,6 +8,7 @@ Parameter names are the HF checkpoint names, so an HF state dict loads directly:
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias where the config says)
     model.layers.{i}.self_attn.{q,k}_norm.weight      (qwen3)
     model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.{pre,post}_feedforward_layernorm.weight (gemma3)
     model.layers.{i}.mlp.{gate,up,down}_proj.weight
     model.norm.weight
     lm_head.weight                                     (tied: the same Parameter as embed_tokens)
@@ -18,6 +19,12 @@ output gate (q_proj emits [q | gate] per head) and every RMSNorm weight is zero-
 `qwen3_5` checkpoint's `model.language_model.*` keys load as `model.*`; its vision tower and MTP
 head are ignored. Only attention layers have a KV-pool layer (`cfg.kv_layer_index`); linear
 layers keep their state in a StatePool slot per request.
+
+Gemma 3 (`cfg.sandwich_norms`): embeddings times sqrt(hidden_size); every norm zero-centred; the
+attention and MLP outputs are normed too before they join the residual (so its
+`post_attention_layernorm` norms the attention output, where llama's norms the MLP input); a
+GELU-tanh MLP; scores scaled by query_pre_attn_scalar^-0.5; the sliding and the global layers each
+with their own RoPE (`LayerRotaries`, which SCR relocation also turns keys with).
 
 The model knows nothing of cache policy: a ForwardBatch says where each token's K/V goes and which
 slots each request attends to. Keys are stored in the pool AFTER RoPE. All tokens of a forward go
@@ -37,10 +44,10 @@ from kvsplice.layers.attention import paged_attention, store_kv
 from kvsplice.layers.block_int8_head import Int8Blocks
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.gated_deltanet import GatedDeltaNet
-from kvsplice.layers.mlp import SwiGLU
+from kvsplice.layers.mlp import GatedMLP
 from kvsplice.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from kvsplice.layers.quant_linear import BucketedLinear
-from kvsplice.layers.rotary import Rotary, apply_rope
+from kvsplice.layers.rotary import LayerRotaries, Rotary, apply_rope
 from kvsplice.models.config import ModelConfig
 
 
@@ -68,7 +75,7 @@ class SelfAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.layer_id = cfg.kv_layer_index(layer_id)  # its layer in the KV pool
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
         self.sliding_window: Optional[int] = cfg.layer_window(layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -106,7 +113,8 @@ class SelfAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)); the mixer is attention
-    (`self_attn`) or, for a hybrid's linear layers, Gated DeltaNet (`linear_attn`)."""
+    (`self_attn`) or, for a hybrid's linear layers, Gated DeltaNet (`linear_attn`). With
+    sandwich norms (Gemma 3): x + norm(attn(norm(x))), then + norm(mlp(norm(.)))."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
@@ -118,11 +126,18 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = SelfAttention(cfg, layer_id, dtype)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, states: Optional[StatePool] = None) -> torch.Tensor:
         """`x [T, hidden]` -> `[T, hidden]`."""
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch, pool))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.is_linear:
             x = x + self.linear_attn(self.input_layernorm(x), batch, states)
         else:
@@ -164,7 +179,10 @@ class Decoder(nn.Module):
         self.lm_head = BucketedLinear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.rope)
+        # one RoPE for every layer, or each layer's own (Gemma 3); SCR relocation turns keys with it
+        self.rotary: Rotary | LayerRotaries = Rotary(cfg.rope)
+        if cfg.layer_ropes:
+            self.rotary = LayerRotaries(cfg.layer_ropes, cfg.kv_layers)
         # the lm_head as the checkpoint stores it, when that is int8 blocks (a GGUF Q8_0 head):
         # the exact weights the model-dtype lm_head rounds; the fast path's one-row head reads them
         self.head_blocks: Optional[Int8Blocks] = None
@@ -214,8 +232,18 @@ class Decoder(nn.Module):
         if self.cfg.is_hybrid and (states is None or len(batch.linear) != len(batch.seqs)):
             raise ValueError("a hybrid model needs a StatePool and one LinearSeq per request")
         hidden = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        for layer in self.model.layers:
+        if self.cfg.scaled_embeddings:   # sqrt(hidden) rounded to the model dtype, as transformers
+            hidden = hidden * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=hidden.dtype)
+        tables = self._rope_tables(batch.positions)
+        for layer, (cos, sin) in zip(self.model.layers, tables):
             hidden = layer(hidden, cos, sin, batch, pool, states)
         hidden = self.model.norm(hidden[batch.logit_rows])
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin for `positions`."""
+        if isinstance(self.rotary, LayerRotaries):
+            return self.rotary.cos_sin(positions)
+        return [self.rotary.cos_sin(positions)] * self.cfg.num_layers

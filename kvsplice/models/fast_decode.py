@@ -25,8 +25,8 @@ where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head), one r
 from those blocks by a compiled loop (kvsplice.layers.block_int8_head); more rows use the dense head.
 
 Eligible models (`FastDecoder.supports`): every layer full attention without a sliding window or
-output gate, full-width RoPE, plain RMSNorm; optional q/k norm (qwen3) and biases. Others use the
-Decoder for every batch.
+output gate, full-width RoPE, plain RMSNorm; optional q/k norm (qwen3) and biases. Others (the
+hybrids, Gemma 3: `FastDecoder.refusal` says why) use the Decoder for every batch.
 """
 
 from __future__ import annotations
@@ -147,9 +147,20 @@ class FastDecoder:
     @staticmethod
     def supports(cfg: ModelConfig) -> bool:
         """True when every layer is plain full attention that this path implements."""
-        return (not cfg.is_hybrid and not cfg.attn_output_gate and not cfg.norm_zero_centered
-                and cfg.rope.rotary_dim == cfg.head_dim
-                and all(cfg.layer_window(i) is None for i in range(cfg.num_layers)))
+        return FastDecoder.refusal(cfg) is None
+
+    @staticmethod
+    def refusal(cfg: ModelConfig) -> str | None:
+        """What in `cfg` this path does not implement (None: it runs the model)."""
+        reasons = {"linear-attention layers": cfg.is_hybrid, "an attention output gate": cfg.attn_output_gate,
+                   "zero-centred norms": cfg.norm_zero_centered, "partial rotary": cfg.rope.rotary_dim != cfg.head_dim,
+                   "sliding windows": any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)),
+                   "a RoPE per layer": bool(cfg.layer_ropes), "sandwich norms": cfg.sandwich_norms,
+                   "scaled embeddings": cfg.scaled_embeddings, "a non-SiLU MLP": cfg.hidden_act != "silu",
+                   "logit softcapping": cfg.final_logit_softcapping is not None,
+                   "an attention scale other than head_dim^-0.5": cfg.attention_scale != cfg.head_dim ** -0.5}
+        found = [reason for reason, present in reasons.items() if present]
+        return ", ".join(found) if found else None
 
     @staticmethod
     def _fast_layer(layer, fmt: str) -> FastLayer:

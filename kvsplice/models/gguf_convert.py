@@ -1,13 +1,18 @@
 """Convert a llama.cpp GGUF file into an HF model directory (config.json, fp32 safetensors, tokenizer).
 
-Supported architectures: llama (and mistral-as-llama), qwen2, qwen3. Every tensor type that
-`gguf.quants.dequantize` understands (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants, ...) is
-dequantized to fp32.
+Supported architectures: llama (and mistral-as-llama), qwen2, qwen3, gemma3 (its text model, as
+transformers' gemma3_text). Every tensor type that `gguf.quants.dequantize` understands (F32, F16,
+BF16, Q8_0, Q4_0, Q4_1, Q5_*, K-quants, ...) is dequantized to fp32.
 
 llama.cpp's convert_hf_to_gguf permutes the q/k rows of llama-family models into the
 interleaved (2i, 2i+1) RoPE layout; we undo it so the weights are in transformers' rotate_half
 layout (the same reversal as transformers' `LlamaTensorProcessor._reverse_permute_weights`).
-Qwen2/Qwen3 GGUFs are written without that permutation.
+Qwen2/Qwen3/Gemma3 GGUFs are written without that permutation.
+
+Gemma's RMSNorms compute norm(x) * (1 + w); llama.cpp's converter stores 1 + w, so every norm weight
+gets 1 subtracted again in fp32, as transformers' GGUF loader does (`Gemma2TensorProcessor`). What
+llama.cpp fixes in code rather than in metadata is written out as it does: the sliding layers'
+RoPE theta 10,000, every 6th layer global, and the attention scale.
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from tqdm import tqdm
 
 from kvsplice.models.manifest import ModelCacheError, check_cache, source_identity, write_manifest
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}
+# GGUF architecture -> transformers model_type, where they differ
+HF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# Architectures whose GGUF norm weights hold 1 + w (zero-centred norms in transformers).
+SHIFTED_NORM_ARCHITECTURES = {"gemma3"}
 # Architectures whose q/k rows llama.cpp stores in the interleaved RoPE layout.
 PERMUTED_QK_ARCHITECTURES = {"llama"}
 GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -46,6 +56,18 @@ BLOCK_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms the attention and MLP outputs too; its ffn_norm is the pre-feedforward norm.
+GEMMA3_BLOCK_TENSOR_NAMES = {
+    **BLOCK_TENSOR_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+BLOCK_NAMES_OF = {"gemma3": GEMMA3_BLOCK_TENSOR_NAMES}
+# llama.cpp's Gemma 3 constants (llama-model.cpp): the sliding layers' RoPE theta, and which
+# layers are global (every 6th)
+GEMMA3_LOCAL_THETA = 10_000.0
+GEMMA3_SLIDING_PATTERN = 6
 BLOCK_TENSOR_PATTERN = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 WEIGHTS_FILE = "model.safetensors"
 # Recorded in every manifest; bump it when the output of a conversion changes, so caches written
@@ -90,16 +112,18 @@ def field_value(reader: gguf.GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name to its transformers name; ValueError for names we cannot place."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a llama.cpp tensor name of architecture `arch` to its transformers name; ValueError for
+    names we cannot place."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in GLOBAL_TENSOR_NAMES and suffix in ("weight", "bias"):
         return f"{GLOBAL_TENSOR_NAMES[base]}.{suffix}"
+    block_names = BLOCK_NAMES_OF.get(arch, BLOCK_TENSOR_NAMES)
     match = BLOCK_TENSOR_PATTERN.match(gguf_name)
-    if match is None or match.group(2) not in BLOCK_TENSOR_NAMES:
+    if match is None or match.group(2) not in block_names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no transformers equivalent in kvsplice")
     layer, part, suffix = match.groups()
-    return f"model.layers.{layer}.{BLOCK_TENSOR_NAMES[part]}.{suffix}"
+    return f"model.layers.{layer}.{block_names[part]}.{suffix}"
 
 
 def gguf_architecture(reader: gguf.GGUFReader) -> str:
@@ -118,7 +142,7 @@ def build_hf_config(reader: gguf.GGUFReader) -> dict:
     def meta(key, default=None):
         return field_value(reader, f"{arch}.{key}", default)
 
-    if meta("rope.scaling.type", "none") not in ("none", None):
+    if meta("rope.scaling.type", "none") not in ("none", None) and arch != "gemma3":
         raise ValueError(f"GGUF rope scaling {meta('rope.scaling.type')!r} is not supported")
     hidden_size, n_heads = meta("embedding_length"), meta("attention.head_count")
     embed_rows = next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -127,7 +151,7 @@ def build_hf_config(reader: gguf.GGUFReader) -> dict:
     rope_theta = float32_metadata(meta("rope.freq_base", 10000.0))
     config = {
         "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": HF_MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden_size,
         "intermediate_size": meta("feed_forward_length"),
         "num_hidden_layers": meta("block_count"),
@@ -150,9 +174,40 @@ def build_hf_config(reader: gguf.GGUFReader) -> dict:
             config[hf_key] = int(token_id)
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    if arch == "gemma3":
+        del config["hidden_act"]   # Gemma3TextConfig reads hidden_activation
+        config.update(gemma3_config(meta, config))
     if None in (config["intermediate_size"], config["num_hidden_layers"], hidden_size, n_heads):
         raise ValueError(f"GGUF file lacks required {arch}.* metadata (block_count, embedding_length, ...)")
     return config
+
+
+def gemma3_config(meta, config: dict) -> dict:
+    """The Gemma 3 keys of the transformers config (Gemma3TextConfig), from the `gemma3.*`
+    metadata `meta(key, default)` reads and the common keys already in `config`."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    full = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    scaling = meta("rope.scaling.type", "none")
+    if scaling == "linear":
+        full.update(rope_type="linear", factor=float32_metadata(meta("rope.scaling.factor")))
+    elif scaling not in ("none", None):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+    local_theta = float32_metadata(meta("rope.freq_base_swa", GEMMA3_LOCAL_THETA))
+    # llama.cpp scales scores by head_dim^-0.5, except the 27B (62 layers): (hidden / heads)^-0.5
+    pre_attn_scalar = config["hidden_size"] // heads if layers == 62 else config["head_dim"]
+    gemma = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": meta("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if (layer + 1) % GEMMA3_SLIDING_PATTERN else "full_attention"
+                        for layer in range(layers)],
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        "query_pre_attn_scalar": pre_attn_scalar,
+    }
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if meta(key) is not None:
+            gemma[key] = float32_metadata(meta(key))
+    return gemma
 
 
 def float32_metadata(value: float) -> float:
@@ -173,14 +228,18 @@ def dequantized_tensor(tensor) -> torch.Tensor:
 
 def convert_tensors(reader: gguf.GGUFReader, config: dict, progress: bool = True) -> dict[str, torch.Tensor]:
     """All GGUF tensors as an fp32 state dict in transformers names, q/k un-permuted where needed."""
-    unpermute = config["model_type"] in PERMUTED_QK_ARCHITECTURES
+    arch = gguf_architecture(reader)
+    unpermute = arch in PERMUTED_QK_ARCHITECTURES
+    shift_norms = arch in SHIFTED_NORM_ARCHITECTURES
     heads_of = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     state = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors", disable=not progress):
         if tensor.name == "rope_freqs.weight":
             raise ValueError("GGUF has rope_freqs (llama3-style rope scaling), which kvsplice does not support")
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         weight = dequantized_tensor(tensor)
+        if shift_norms and tensor.name.endswith("norm.weight"):
+            weight -= 1   # the GGUF holds 1 + w
         projection = next((proj for proj in heads_of if f".{proj}." in name), None)
         if unpermute and projection is not None:
             weight = interleaved_to_half_rows(weight, heads_of[projection])

