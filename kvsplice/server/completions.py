@@ -141,8 +141,10 @@ def _prompt_params(state: ServerState, body: p.CompletionRequest, prompt_ids: li
         kept.append(ids)
         cuts.append(cut)
         params.append(openai_sampling(body, budget, body.logprobs, prompt_lps, constraint))
-    shifted = None if body.message_offsets is None else [o - cuts[0] for o in body.message_offsets if o > cuts[0]]
-    return kept, params, message_offsets(shifted, len(kept[0]))
+    if body.message_offsets is None:
+        return kept, params, None
+    offsets = message_offsets(body.message_offsets, len(kept[0]) + cuts[0])   # checked against the prompt sent
+    return kept, params, message_offsets([o - cuts[0] for o in offsets if o > cuts[0]], len(kept[0]))
 
 
 async def _prefill_shared_prefix(state: ServerState, request: Request, body: p.CompletionRequest, rid: str,
