@@ -127,7 +127,8 @@ class ReuseManager:
         keeps waiting; nothing changed except session bookkeeping)."""
         admitted = self._admit(req, update_stats)
         if admitted and update_stats:
-            req.reuse = self._with_flops(req)
+            req.reuse = dataclasses.replace(self._with_flops(req),
+                                            disk_tokens=min(req.disk_tokens, req.reuse.prefix_tokens))
         return admitted
 
     def _admit(self, req: Req, update_stats: bool) -> bool:
@@ -443,7 +444,9 @@ class ReuseManager:
         self.sessions.update(session, ids, private_tokens=int(private.numel()), prompt_len=prompt_len)
 
     def forget(self, req: Req) -> None:
-        """`req` is gone: end its session's in-flight mark and enforce the session limits."""
+        """`req` is gone: end its session's in-flight mark and enforce the session limits; drop the
+        disk-tier reads started for it that no admission collected."""
+        self.cache.discard_prefetches(req)
         scr = req.scr
         if scr is not None and scr.session is not None:
             self.sessions.end(scr.session)
