@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from typing import Hashable, Sequence
 
 import torch
@@ -57,6 +58,7 @@ from kvsplice.cache.state_pool import StatePool
 from kvsplice.cache.tier_format import EntryKey, TierEntry, TierIdentity, namespace_name
 from kvsplice.engine.request import Req, StateReuse
 
+logger = logging.getLogger(__name__)
 WEIGHT_SAMPLE = 4096   # elements of each weight hashed into the disk tier's model identity
 TIER_CHUNK_TOKENS = 128   # evicted runs go to the disk tier cut at multiples of this position
 
@@ -66,9 +68,14 @@ def open_disk_tier(tier_config: DiskTierConfig | None, model: torch.nn.Module, m
     """The disk tier of `tier_config` for this model (None without one). Its identity names the
     weights by a hash of every parameter's name, shape and a strided sample of its values, with the
     dtype, weight format, fast-path setting and the model config: entries written by any other
-    model or setting are discarded at start, never loaded. Raises DiskTierError when the directory
-    cannot be used."""
+    model or setting are discarded at start, never loaded. None on a hybrid model too (a prefix's
+    K/V is of no use there without the linear layers' state, which the tier does not get yet).
+    Raises DiskTierError when the directory cannot be used."""
     if tier_config is None:
+        return None
+    if model_config.is_hybrid:
+        logger.warning("the KV disk tier %s is not used: %s is a hybrid model", tier_config.dir,
+                       model_config.model_type)
         return None
     digest = hashlib.blake2b(digest_size=16)
     for name, param in sorted(model.state_dict().items()):

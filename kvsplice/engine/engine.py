@@ -112,7 +112,7 @@ class Engine:
         if model_config.is_hybrid:
             states = StatePool(config.num_state_slots or default_state_slots(config), model_config.num_linear_layers,
                                model_config.linear_attn, dtype=dtype, device=config.device)
-        tier = open_disk_tier(config.disk_tier, model, model_config, dtype, config) if states is None else None
+        tier = open_disk_tier(config.disk_tier, model, model_config, dtype, config)
         self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints(), tier)
         self.failpoints = failpoints
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,

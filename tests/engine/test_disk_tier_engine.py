@@ -132,17 +132,36 @@ def test_flush_cache_empties_the_tier(model_dir, tmp_path):
     llm.engine.close()
 
 
-def test_scr_still_relocates_on_top_of_a_prefix_loaded_from_the_tier(model_dir, tmp_path):
-    """An edited second turn: its head comes from the tier, the kept spans after the edit are
-    relocated from the session as without a tier."""
+def test_an_edited_turn_whose_session_was_dropped_loads_its_head_from_the_tier(model_dir, tmp_path):
+    """SCR on: the pool drops the idle session, its exact K/V goes to the tier; the next, edited
+    turn finds no session K/V but loads the unchanged head from disk, and is exact."""
     llm = tiered_llm(model_dir, tmp_path / "tier", max_batch_tokens=64)
-    head, middle, rest = prompt_ids(40, seed=6), prompt_ids(8, seed=7), prompt_ids(60, seed=8)
-    first = head + middle + rest
-    llm.generate([first], GREEDY, session_id="s1")
-    llm.engine.cache.tier.wait_writes()
+    head, rest = prompt_ids(130, seed=6), prompt_ids(20, seed=8)
+    llm.generate([head + prompt_ids(8, seed=7) + rest], GREEDY, session_id="s1")
+    evict_with_others(llm)
+    assert llm.engine.reuse.sessions_evicted_for_memory >= 1
     edited = head + prompt_ids(5, seed=9) + rest
     [turn] = llm.generate([edited], GREEDY, session_id="s1")
     turn.reuse.check(len(edited))
-    assert turn.reuse.prefix_tokens + turn.reuse.relocated_tokens > 0
+    assert turn.reuse.disk_tokens >= 128 and turn.reuse.relocated_tokens == 0
+    assert_same_output(turn, cold(model_dir, edited))
+    llm.engine.check_integrity()
+    llm.engine.close()
+
+
+def test_scr_relocates_beyond_a_prefix_loaded_from_the_tier(model_dir, tmp_path):
+    """The tier's prefix and SCR together: the head comes back from disk (its first conversation
+    was evicted) and stays cached; an edit after it relocates the session's kept span."""
+    llm = tiered_llm(model_dir, tmp_path / "tier", max_batch_tokens=64)
+    head = prompt_ids(130, seed=10)
+    llm.generate([head + prompt_ids(10, seed=11)], GREEDY, session_id="old")
+    evict_with_others(llm)
+    body, tail = prompt_ids(80, seed=12), prompt_ids(10, seed=13)
+    [second] = llm.generate([head + body], GREEDY, session_id="s2")
+    assert second.reuse.disk_tokens >= 128                    # the head from disk, into the radix tree
+    edited = head + prompt_ids(3, seed=14) + body + tail
+    [turn] = llm.generate([edited], GREEDY, session_id="s2")
+    turn.reuse.check(len(edited))
+    assert turn.reuse.prefix_tokens >= 128 and turn.reuse.relocated_tokens > 0
     llm.engine.check_integrity()
     llm.engine.close()
