@@ -184,11 +184,18 @@ class CacheManager:
         req.tier_prefetch = ()
 
     def _load_from_tier(self, req: Req, ids: Sequence[int], match: PrefixMatch) -> PrefixMatch:
-        """`match` extended by the tier's stored continuation of `ids`: the entries are loaded
-        (each verified against `ids`; the first miss ends the run), copied into fresh slots and
-        inserted into the radix tree; `req.disk_tokens` counts them. `match` itself when the tier
-        has nothing beyond it or the pool has no room."""
-        found = self.tier.match_prefix(namespace_name(req.namespace), ids, start_pos=match.length)
+        """`match` extended by the tier's stored continuation of `ids` (`extend_from_tier`);
+        `req.disk_tokens` counts what was loaded."""
+        extended = self.extend_from_tier(ids, req.namespace, match)
+        req.disk_tokens = max(req.disk_tokens, extended.length - match.length)
+        return extended
+
+    def extend_from_tier(self, ids: Sequence[int], namespace: Hashable, match: PrefixMatch) -> PrefixMatch:
+        """`match` (the radix tree's match of `ids`) extended by the tier's stored continuation:
+        the entries are loaded (each verified against `ids`; the first miss ends the run), copied
+        into fresh slots and inserted into the radix tree, and `ids` matched again. `match` itself
+        when the tier has nothing beyond it or the pool has no room."""
+        found = self.tier.match_prefix(namespace_name(namespace), ids, start_pos=match.length)
         pieces, covered = [], match.length
         for key, end in zip(found.keys, found.ends):
             entry = self.tier.get(key, token_ids=ids)
@@ -206,11 +213,10 @@ class CacheManager:
         for entry, start, end in pieces:
             kv = entry.kv[:, :, start - entry.start_pos: end - entry.start_pos]
             kv_into_pool(self.pool, slots[start - match.length: end - match.length], kv)
-        n_present = self.radix.insert(ids[:covered], torch.cat([match.slots, slots]), req.namespace)
+        n_present = self.radix.insert(ids[:covered], torch.cat([match.slots, slots]), namespace)
         self.allocator.free(slots[: max(0, n_present - match.length)])   # none: the path is locked
         self.radix.unlock(match.node)
-        req.disk_tokens = max(req.disk_tokens, covered - match.length)
-        return self.radix.match_prefix(ids, req.namespace)
+        return self.radix.match_prefix(ids, namespace)
 
     # ----- linear-layer states (hybrid models) --------------------------------------------
     def admit_state(self, req: Req, match: PrefixMatch) -> bool:

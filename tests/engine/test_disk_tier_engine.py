@@ -165,3 +165,26 @@ def test_scr_relocates_beyond_a_prefix_loaded_from_the_tier(model_dir, tmp_path)
     assert turn.reuse.prefix_tokens >= 128 and turn.reuse.relocated_tokens > 0
     llm.engine.check_integrity()
     llm.engine.close()
+
+
+def test_a_named_session_dropped_for_memory_comes_back_from_the_tier(model_dir, tmp_path):
+    """A session whose private (relocated) K/V the pool dropped is restored from the tier by its own
+    id, and its next turn relocates from it again; another namespace never gets it."""
+    llm = tiered_llm(model_dir, tmp_path / "tier", max_batch_tokens=64)
+    head, rest = prompt_ids(40, seed=20), prompt_ids(100, seed=21)
+    llm.generate([head + prompt_ids(6, seed=22) + rest], GREEDY, session_id="s1")
+    edited = head + prompt_ids(4, seed=23) + rest
+    [second] = llm.generate([edited], GREEDY, session_id="s1")
+    assert second.reuse.relocated_tokens > 0
+    evict_with_others(llm)
+    assert llm.engine.reuse.sessions_evicted_for_memory >= 1
+    [stranger] = llm.generate([edited + second.token_ids + prompt_ids(5, seed=24)], GREEDY,
+                              session_id="s1", cache_salt="other")
+    assert llm.engine.reuse.sessions_restored == 0 and stranger.reuse.relocated_tokens == 0
+    third_prompt = prompt_ids(3, seed=25) + edited[3:] + second.token_ids + prompt_ids(5, seed=24)
+    [third] = llm.generate([third_prompt], GREEDY, session_id="s1")
+    assert llm.engine.reuse.sessions_restored == 1
+    third.reuse.check(len(third_prompt))
+    assert third.reuse.session == "matched" and third.reuse.relocated_tokens > 0
+    llm.engine.check_integrity()
+    llm.engine.close()
