@@ -28,7 +28,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
-from kvsplice.cache.disk_tier import DiskTierConfig
+from kvsplice.cache.disk_tier import DiskTierConfig, DiskTierError
 from kvsplice.config import WEIGHT_FORMAT_CHOICES, EngineConfig
 from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, EnvVar, ReuseConfig, check_field
 
@@ -392,7 +392,10 @@ def _serve(args: argparse.Namespace) -> int:
                               reasoning_parser=args.reasoning_parser, host=args.host, port=args.port,
                               api_keys=api_keys, limits=limits, expose_model_path=args.expose_model_path,
                               **_chat_settings(args))
-    return serve(config, settings, log_level=args.log_level)
+    try:
+        return serve(config, settings, log_level=args.log_level)
+    except DiskTierError as exc:    # e.g. another server holds the directory
+        raise ValueError(f"--kv-disk-dir: {exc}") from None
 
 
 def _chat_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -102,3 +102,20 @@ def test_a_bad_tier_directory_or_budget_exits_2(make_argv, needle, tmp_path, cap
     (tmp_path / "a-file").write_text("not a directory")
     assert main(["serve", *make_argv(tmp_path)]) == BAD_INPUT
     assert needle in capsys.readouterr().err
+
+
+def test_a_directory_another_server_holds_exits_2(tiny_model_dir, tmp_path):
+    """The tier's lock is taken when the engine is built: a second server on the same directory
+    stops at start with status 2 and says why."""
+    import subprocess
+    import sys
+
+    from kvsplice.cache.disk_tier import DiskTier
+    from tests.cache.tier_helpers import identity
+
+    with DiskTier(DiskTierConfig(tmp_path / "tier", 10**6), identity()):
+        done = subprocess.run([sys.executable, "-m", "kvsplice.cli", "serve", "--model", str(tiny_model_dir),
+                               "--kv-disk-dir", str(tmp_path / "tier"), "--port", "0"],
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode == BAD_INPUT
+    assert "--kv-disk-dir" in done.stderr and "in use by another server" in done.stderr
