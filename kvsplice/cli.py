@@ -12,7 +12,8 @@ Engine flags are built from EngineConfig's fields (ENGINE_FLAGS: type and defaul
 SCR flags from `kvsplice.reuse.config.ENV_TABLE`, for the few settings a user tunes (SCR_FLAG_FIELDS).
 The other SCR settings (session-matching heuristics, diff chunking, hybrid-model state, control
 experiments) are set through their KVREUSE_* variables; their old flags still work, hidden, with a
-one-line deprecation warning, as do `--no-scr` and `--model-path`. Precedence for SCR settings:
+one-line deprecation warning, as do `--no-scr` and `--model-path`. `--decode-arena-tokens` and
+`--num-state-slots` work but are not listed by --help (rarely tuned; docs/SERVING.md lists them). Precedence for SCR settings:
 command-line flag > KVREUSE_* environment variable > default; API keys: `--api-key` flags >
 KVSPLICE_API_KEY (comma-separated). Bad input exits with status 2 and a message saying what is wrong.
 """
@@ -27,10 +28,12 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
+from kvsplice.cache.disk_tier import DiskTierConfig, DiskTierError
 from kvsplice.config import WEIGHT_FORMAT_CHOICES, EngineConfig
 from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, EnvVar, ReuseConfig, check_field
 
 BAD_INPUT = 2
+DEFAULT_KV_DISK_GB = 16.0   # --kv-disk-gb when only --kv-disk-dir is given
 
 # The SCR settings offered as flags, by ReuseConfig field name; a name missing from ENV_TABLE is skipped.
 SCR_FLAG_FIELDS: tuple[str, ...] = ("enabled", "max_spans", "tail", "min_span", "seam_tokens", "message_start_tokens")
@@ -101,6 +104,7 @@ class EngineFlag(NamedTuple):
     parse: Optional[Callable[[str], Any]] = None
     cli_default: Any = None
     choices: Optional[tuple[str, ...]] = None
+    hidden: bool = False            # works, but not listed by --help (docs/SERVING.md lists it)
 
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
@@ -117,8 +121,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("num_slots", CACHE, "KV pool size in tokens"),
     EngineFlag("prefix_cache", CACHE, "turn the radix prefix cache off (and with it SCR)"),
     EngineFlag("decode_arena_tokens", CACHE, "bound (tokens) of the contiguous K/V copies of decoding requests; "
-               "0 = off"),
-    EngineFlag("num_state_slots", CACHE, "recurrent-state slots of a hybrid model (default from --max-running)"),
+               "0 = off", hidden=True),
+    EngineFlag("num_state_slots", CACHE, "recurrent-state slots of a hybrid model (default from --max-running)",
+               hidden=True),
     EngineFlag("max_batch_tokens", SCHEDULER, "token budget of one forward (the chunked-prefill size)"),
     EngineFlag("max_running", SCHEDULER, "requests decoding at once"),
     EngineFlag("max_waiting", SCHEDULER, "queue length beyond which requests get 503"),
@@ -152,12 +157,13 @@ def _add_engine_flag(group: argparse._ArgumentGroup, spec: EngineFlag) -> None:
     if _field_type(spec.field) is bool:
         flag = f"--no-{name}" if default else f"--{name}"
         group.add_argument(flag, dest=spec.field, action="store_const", const=not default, default=None,
-                           help=spec.help)
+                           help=argparse.SUPPRESS if spec.hidden else spec.help)
         return
     shown = spec.cli_default if spec.cli_default is not None else default
     suffix = f" (default {shown})" if shown is not None else ""
     group.add_argument(f"--{name}", dest=spec.field, type=spec.parse or _field_type(spec.field),
-                       default=spec.cli_default, choices=spec.choices, help=spec.help + suffix,
+                       default=spec.cli_default, choices=spec.choices,
+                       help=argparse.SUPPRESS if spec.hidden else spec.help + suffix,
                        metavar=spec.metavar or (None if spec.choices else _metavar(_field_type(spec.field), name)))
 
 
@@ -208,8 +214,49 @@ def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
     groups[MODEL].add_argument("--model-path", dest="model", action=DeprecatedFlag, replacement="use --model")
     for spec in ENGINE_FLAGS:
         _add_engine_flag(groups[spec.group], spec)
+    add_disk_tier_args(groups[CACHE])
     add_scr_args(groups[SCR])
     return groups
+
+
+def add_disk_tier_args(group: argparse._ArgumentGroup) -> None:
+    """--kv-disk-dir and --kv-disk-gb: the disk tier under the KV pool (kvsplice.cache.disk_tier)."""
+    group.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                       help="keep the K/V the pool evicts in DIR and load it back for a later prompt with that "
+                            "prefix, instead of prefilling it again (survives restarts; default: off)")
+    group.add_argument("--kv-disk-gb", type=float, default=None, metavar="F",
+                       help=f"most the disk tier's files take, in GB (default {DEFAULT_KV_DISK_GB:g})")
+
+
+def disk_tier_from_args(args: argparse.Namespace) -> DiskTierConfig | None:
+    """The DiskTierConfig of --kv-disk-dir / --kv-disk-gb, or None. ValueError (exit 2) for a budget
+    without a directory, a budget that is not positive, or a directory that cannot be created or
+    written (checked here, before the model loads)."""
+    if args.kv_disk_dir is None:
+        if args.kv_disk_gb is not None:
+            raise ValueError("--kv-disk-gb needs --kv-disk-dir")
+        return None
+    gb = DEFAULT_KV_DISK_GB if args.kv_disk_gb is None else args.kv_disk_gb
+    if not 0 < gb < 1e9 or int(gb * 1e9) < 1:
+        raise ValueError(f"--kv-disk-gb must be positive, got {args.kv_disk_gb}")
+    _check_writable_dir(os.path.expanduser(args.kv_disk_dir), "--kv-disk-dir")
+    # an evicted run is cut into many entries (kvsplice.engine.cache_manager): a deep writer queue,
+    # bounded in bytes by max_queued_bytes
+    return DiskTierConfig.from_gb(os.path.expanduser(args.kv_disk_dir), gb, write_queue_size=4096)
+
+
+def _check_writable_dir(path: str, flag: str) -> None:
+    """Create `path` if missing and write a probe file into it; ValueError naming `flag` if either fails."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag}: {path} is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".kvsplice-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot write to {path} ({exc.strerror or exc})") from None
 
 
 def reuse_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ReuseConfig:
@@ -236,7 +283,8 @@ def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str]
     """EngineConfig from parsed engine flags (unset flags keep EngineConfig's defaults). ValueError if bad."""
     import torch
 
-    kwargs: dict[str, Any] = {"model": args.model, "reuse": reuse_config_from_args(args, environ)}
+    kwargs: dict[str, Any] = {"model": args.model, "reuse": reuse_config_from_args(args, environ),
+                              "disk_tier": disk_tier_from_args(args)}
     for spec in ENGINE_FLAGS:
         value = getattr(args, spec.field)
         if value is not None:
@@ -344,7 +392,10 @@ def _serve(args: argparse.Namespace) -> int:
                               reasoning_parser=args.reasoning_parser, host=args.host, port=args.port,
                               api_keys=api_keys, limits=limits, expose_model_path=args.expose_model_path,
                               **_chat_settings(args))
-    return serve(config, settings, log_level=args.log_level)
+    try:
+        return serve(config, settings, log_level=args.log_level)
+    except DiskTierError as exc:    # e.g. another server holds the directory
+        raise ValueError(f"--kv-disk-dir: {exc}") from None
 
 
 def _chat_settings(args: argparse.Namespace) -> dict[str, Any]:

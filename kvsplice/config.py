@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvsplice.cache.disk_tier import DiskTierConfig
 from kvsplice.reuse.config import ReuseConfig
 
 WEIGHT_FORMAT_CHOICES = ("auto", "dense", "int8", "int4")
@@ -51,6 +52,9 @@ class EngineConfig:
         run alone on the rest (`kvsplice.engine.prefill_lane`); 0: prefill chunks share the
         decode steps (StepBudget). Needs the fast path and fewer threads than the engine's;
         otherwise off. `kvsplice serve` defaults to 1 where the process has 2 threads or more.
+    disk_tier: where the K/V the pool evicts goes instead of being dropped, and from where a later
+        prefix match loads it (`kvsplice.cache.disk_tier`; `--kv-disk-dir`, `--kv-disk-gb`); None:
+        no disk tier. Attention-only models (a hybrid's states are not stored: ignored there).
     """
 
     model: str | None = None
@@ -72,6 +76,7 @@ class EngineConfig:
     decode_threads: int | None = None
     prefill_lane_threads: int = 0
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    disk_tier: DiskTierConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting"):

@@ -282,6 +282,13 @@ class DiskTier:
             self._pending[key] = self._reader.submit(self._load, key)
         return True
 
+    def discard_prefetch(self, key: EntryKey) -> None:
+        """Forget a `prefetch` of `key` that no `get` will collect (its read is cancelled or dropped)."""
+        with self._lock:
+            future = self._pending.pop(key, None)
+        if future is not None:
+            future.cancel()
+
     def get(self, key: EntryKey, token_ids: Sequence[int] | torch.Tensor | None = None,
             session_id: str | None = None) -> TierEntry | None:
         """The entry stored under `key`, verified, or None (a miss).

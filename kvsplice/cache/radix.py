@@ -13,6 +13,11 @@ when the node is evicted. A matched prefix is *borrowed*: the caller locks the m
 instead of taking references, and the lock keeps eviction away from the whole path.
 
 Time is a per-cache monotonic counter, not the wall clock, so LRU order is deterministic in tests.
+
+Spilling: a tree built with `on_evict` hands every leaf that `evict` takes (pool pressure) to it
+before the leaf's slots are freed, as (namespace, token ids from position 0 to the leaf's end, the
+leaf's first position, the leaf's slots): the engine copies that K/V out to the disk tier
+(`kvsplice.cache.disk_tier`). `reset` (a flush) drops leaves without handing them over.
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Hashable, Iterator, Optional, Sequence
+from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 
 from kvsplice.cache.checkpoint_policy import CheckpointCandidate, least_useful
 
 TokenKey = tuple[int, ...]
+# on_evict(namespace, token ids from position 0 to the leaf's end, the leaf's start, its slots)
+EvictionHook = Callable[[Hashable, TokenKey, int, torch.Tensor], None]
 
 
 class TreeNode:
@@ -117,10 +124,12 @@ class RadixCache:
     operation, so `evict` never walks the whole tree.
     """
 
-    def __init__(self, allocator, state_allocator=None):
+    def __init__(self, allocator, state_allocator=None, on_evict: EvictionHook | None = None):
         """`allocator` is a `SlotAllocator`; the tree frees evicted slots through it.
-        `state_allocator` (hybrid models) is the StatePool's; evicted checkpoints go back to it."""
+        `state_allocator` (hybrid models) is the StatePool's; evicted checkpoints go back to it.
+        `on_evict`: sees each leaf `evict` takes, before its slots are freed (see the module doc)."""
         self.allocator = allocator
+        self.on_evict = on_evict
         self.state_allocator = state_allocator
         self._checkpoint_nodes: set[TreeNode] = set()
         self._clock = itertools.count(1)
@@ -306,13 +315,14 @@ class RadixCache:
         dropped, so more may remain). Returns the number dropped."""
         return self.evict_checkpoints(max(0, self.num_checkpoints() - max_states))
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, spill: bool = True) -> int:
         """Evict least-recently-used unlocked leaves until `num_tokens` slots are freed.
 
         A whole leaf goes at a time, so more than `num_tokens` may be freed; a parent that becomes
         an unlocked leaf is a candidate in the same call. Stops early when nothing is evictable.
-        Side effects: frees the evicted slots through `allocator.free`; drops emptied namespace
-        roots. Returns the number of slots freed. Raises `ValueError` if `num_tokens < 0`.
+        Side effects: hands each leaf to `on_evict` first (with `spill`, when there is one); frees
+        the evicted slots through `allocator.free`; drops emptied namespace roots. Returns the
+        number of slots freed. Raises `ValueError` if `num_tokens < 0`.
         """
         if num_tokens < 0:
             raise ValueError(f"cannot evict {num_tokens} tokens")
@@ -322,6 +332,9 @@ class RadixCache:
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
+            if spill and self.on_evict is not None:
+                path_ids = self.path_ids(leaf)
+                self.on_evict(leaf.namespace, path_ids, len(path_ids) - len(leaf), leaf.slots)
             freed += self._remove_leaf(leaf)
             if not parent.is_root and parent in self._evictable_leaves:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
@@ -333,7 +346,13 @@ class RadixCache:
         Every unlocked node eventually becomes an unlocked leaf (a lock covers all ancestors, so no
         unlocked node has a locked descendant), hence this empties all but the locked paths.
         """
-        return self.evict(self._evictable_size)
+        return self.evict(self._evictable_size, spill=False)
+
+    @staticmethod
+    def path_ids(node: TreeNode) -> TokenKey:
+        """The token ids from position 0 to the end of `node` (its path's keys, in order)."""
+        keys = [path_node.key for path_node in RadixCache._path_to_root(node)]
+        return tuple(token for key in reversed(keys) for token in key)
 
     def cached_size(self) -> int:
         """Slots held by the tree (all namespaces)."""

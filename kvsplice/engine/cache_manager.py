@@ -27,30 +27,81 @@ the final state when the whole computed sequence is exact, become checkpoints of
 nodes; the rest is freed. The tree then keeps at most `policy.max_states` of them (the least useful
 go first; see `kvsplice.cache.checkpoint_policy`). States an SCR request will load are pinned (one
 extra reference each, `pin_loads`) until the request lets go of its states.
+
+Disk tier (attention-only models, `kvsplice.cache.disk_tier`): a radix leaf evicted for room is
+copied out of the pool (before its slots are freed) and put into the tier as an exact prefix entry
+of its namespace; the writer thread writes it. A match first takes the radix tree's prefix A, then
+asks the tier for stored entries continuing the prompt beyond A; the K/V it loads get fresh slots
+and enter the radix tree as cached prefix, so the request (and any later one) hits them:
+
+    prompt      [ A: radix ][ loaded from the tier ][ prefilled ... ]
+    req.disk_tokens          <------------------->   (counted within usage.reuse.prefix_tokens)
+
+A load that misses (a file gone bad, a namespace flushed) stops there: the rest is prefilled. The
+reads start when the request is queued (`prefetch`) and are collected at admission.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import logging
+from typing import Hashable, Sequence
+
 import torch
 
 from kvsplice.cache.checkpoint_policy import CheckpointPolicy
+from kvsplice.cache.disk_tier import DiskTier, DiskTierConfig, kv_from_pool, kv_into_pool
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.radix import PrefixMatch, RadixCache
 from kvsplice.cache.state_pool import StatePool
+from kvsplice.cache.tier_format import EntryKey, TierEntry, TierIdentity, namespace_name
 from kvsplice.engine.request import Req, StateReuse
+
+logger = logging.getLogger(__name__)
+WEIGHT_SAMPLE = 4096   # elements of each weight hashed into the disk tier's model identity
+TIER_CHUNK_TOKENS = 128   # evicted runs go to the disk tier cut at multiples of this position
+
+
+def open_disk_tier(tier_config: DiskTierConfig | None, model: torch.nn.Module, model_config,
+                   dtype: torch.dtype, engine_config) -> DiskTier | None:
+    """The disk tier of `tier_config` for this model (None without one). Its identity names the
+    weights by a hash of every parameter's name, shape and a strided sample of its values, with the
+    dtype, weight format, fast-path setting and the model config: entries written by any other
+    model or setting are discarded at start, never loaded. None on a hybrid model too (a prefix's
+    K/V is of no use there without the linear layers' state, which the tier does not get yet).
+    Raises DiskTierError when the directory cannot be used."""
+    if tier_config is None:
+        return None
+    if model_config.is_hybrid:
+        logger.warning("the KV disk tier %s is not used: %s is a hybrid model", tier_config.dir,
+                       model_config.model_type)
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for name, param in sorted(model.state_dict().items()):
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // WEIGHT_SAMPLE)][:WEIGHT_SAMPLE].to(torch.float32).cpu()
+        digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    identity = TierIdentity.of_model(f"weights:{digest.hexdigest()}", model_config, dtype, engine_config.weight_format)
+    identity = dataclasses.replace(identity, extra=identity.extra + (("fast_path", str(engine_config.fast_path)),))
+    return DiskTier(tier_config, identity)
 
 
 class CacheManager:
     """Slot ownership for requests. `prefix_cache=False` turns the radix tree into a null cache
-    (nothing matched, nothing inserted) without the scheduler testing a flag."""
+    (nothing matched, nothing inserted) without the scheduler testing a flag. `tier`: the disk
+    tier evicted prefixes go to and are loaded from (None: evicted K/V is dropped)."""
 
     def __init__(self, pool: KVPool, prefix_cache: bool = True, states: StatePool | None = None,
-                 policy: CheckpointPolicy | None = None):
+                 policy: CheckpointPolicy | None = None, tier: DiskTier | None = None):
         self.pool = pool
         self.allocator = pool.allocator
         self.states = states
         self.policy = policy or CheckpointPolicy()
-        self.radix = RadixCache(self.allocator, states.allocator if states is not None else None)
+        self.tier = tier if prefix_cache else None
+        self.radix = RadixCache(self.allocator, states.allocator if states is not None else None,
+                                on_evict=self._spill if self.tier is not None else None)
         self.prefix_cache = prefix_cache
 
     # ----- allocation -------------------------------------------------------------------
@@ -68,7 +119,11 @@ class CacheManager:
         those need logits at every prompt position."""
         if not self.prefix_cache or req.wants_prompt_logprobs:
             return self.radix.match_prefix([], req.namespace)
-        match = self.radix.match_prefix(req.seq_ids[: req.seq_len - 1], req.namespace)
+        ids = req.seq_ids[: req.seq_len - 1]
+        match = self.radix.match_prefix(ids, req.namespace)
+        if self.tier is not None:
+            match = self._load_from_tier(req, ids, match)
+            self.discard_prefetches(req)
         if self.states is None:
             return match
         node, depth = self.radix.deepest_checkpoint(match.node)
@@ -96,6 +151,72 @@ class CacheManager:
         req.pending = list(range(match.length, req.seq_len))
         self.alloc_checkpoints(req)
         return True
+
+    # ----- the disk tier -----------------------------------------------------------------
+    def _spill(self, namespace: Hashable, token_ids: tuple[int, ...], start: int, slots: torch.Tensor) -> None:
+        """The radix tree's eviction hook: the evicted leaf (positions start..end of `token_ids`) as
+        exact entries cut at every multiple of TIER_CHUNK_TOKENS, their K/V copied out now (the
+        slots are freed right after) and written later. An entry serves a match only up to its end,
+        so the cuts let a later prompt that stops inside the leaf (the same prompt without the
+        reply it got) load all but its last partial chunk."""
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        kv = kv_from_pool(self.pool, slots)
+        name = namespace_name(namespace)
+        cuts = [start, *range((start // TIER_CHUNK_TOKENS + 1) * TIER_CHUNK_TOKENS, len(ids), TIER_CHUNK_TOKENS), len(ids)]
+        for lo, hi in zip(cuts, cuts[1:]):
+            self.tier.put(TierEntry(EntryKey.for_prefix(name, ids[:hi]), ids[:hi], lo, kv[:, :, lo - start: hi - start]))
+
+    def prefetch(self, req: Req) -> None:
+        """Start reading the tier entries that continue `req`'s prompt beyond what the radix tree
+        holds now (called when the request is queued; `match` collects them)."""
+        if self.tier is None or req.wants_prompt_logprobs:
+            return
+        ids = req.seq_ids[: req.seq_len - 1]
+        length = self.radix.match_prefix(ids, req.namespace).length
+        found = self.tier.match_prefix(namespace_name(req.namespace), ids, start_pos=length)
+        req.tier_prefetch = tuple(key for key in found.keys if self.tier.prefetch(key))
+
+    def discard_prefetches(self, req: Req) -> None:
+        """Drop the reads `prefetch` started for `req` that no match collected."""
+        if self.tier is not None:
+            for key in req.tier_prefetch:
+                self.tier.discard_prefetch(key)
+        req.tier_prefetch = ()
+
+    def _load_from_tier(self, req: Req, ids: Sequence[int], match: PrefixMatch) -> PrefixMatch:
+        """`match` extended by the tier's stored continuation of `ids` (`extend_from_tier`);
+        `req.disk_tokens` counts what was loaded."""
+        extended = self.extend_from_tier(ids, req.namespace, match)
+        req.disk_tokens = max(req.disk_tokens, extended.length - match.length)
+        return extended
+
+    def extend_from_tier(self, ids: Sequence[int], namespace: Hashable, match: PrefixMatch) -> PrefixMatch:
+        """`match` (the radix tree's match of `ids`) extended by the tier's stored continuation:
+        the entries are loaded (each verified against `ids`; the first miss ends the run), copied
+        into fresh slots and inserted into the radix tree, and `ids` matched again. `match` itself
+        when the tier has nothing beyond it or the pool has no room."""
+        found = self.tier.match_prefix(namespace_name(namespace), ids, start_pos=match.length)
+        pieces, covered = [], match.length
+        for key, end in zip(found.keys, found.ends):
+            entry = self.tier.get(key, token_ids=ids)
+            if entry is None:
+                break
+            pieces.append((entry, covered, end))
+            covered = end
+        if not pieces:
+            return match
+        self.radix.lock(match.node)   # the room made for the loaded K/V must not evict the match
+        slots = self.alloc(covered - match.length)
+        if slots is None:
+            self.radix.unlock(match.node)
+            return match
+        for entry, start, end in pieces:
+            kv = entry.kv[:, :, start - entry.start_pos: end - entry.start_pos]
+            kv_into_pool(self.pool, slots[start - match.length: end - match.length], kv)
+        n_present = self.radix.insert(ids[:covered], torch.cat([match.slots, slots]), namespace)
+        self.allocator.free(slots[: max(0, n_present - match.length)])   # none: the path is locked
+        self.radix.unlock(match.node)
+        return self.radix.match_prefix(ids, namespace)
 
     # ----- linear-layer states (hybrid models) --------------------------------------------
     def admit_state(self, req: Req, match: PrefixMatch) -> bool:

@@ -35,7 +35,7 @@ from kvsplice.cache.checkpoint_policy import check_message_offsets
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
-from kvsplice.engine.cache_manager import CacheManager
+from kvsplice.engine.cache_manager import CacheManager, open_disk_tier
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
 from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.prefill_lane import PrefillLane
@@ -82,6 +82,7 @@ class EngineCounters:
     relocated_tokens: int = 0
     prefilled_tokens: int = 0
     relocated_spans: int = 0
+    disk_tokens: int = 0
     preemptions: int = 0
     forward_steps: int = 0
 
@@ -111,7 +112,8 @@ class Engine:
         if model_config.is_hybrid:
             states = StatePool(config.num_state_slots or default_state_slots(config), model_config.num_linear_layers,
                                model_config.linear_attn, dtype=dtype, device=config.device)
-        self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints())
+        tier = open_disk_tier(config.disk_tier, model, model_config, dtype, config)
+        self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints(), tier)
         self.failpoints = failpoints
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
                                   failpoints=failpoints, message_starts=MessageStarts(tokenizer))
@@ -169,6 +171,7 @@ class Engine:
         # registered only once everything is built: a constructor that raises leaves no trace
         self._reqs[rid], self._detoks[rid] = req, detok
         self.scheduler.add(req)
+        self.cache.prefetch(req)
         return rid
 
     def _logits_state(self, prompt_ids: list[int], params: SamplingParams) -> LogitsState | None:
@@ -394,6 +397,7 @@ class Engine:
         c.relocated_tokens += stats.relocated_tokens
         c.prefilled_tokens += stats.prefilled_tokens
         c.relocated_spans += stats.relocated_spans
+        c.disk_tokens += stats.disk_tokens
 
     def _finish(self, req: Req, reason: str) -> None:
         """`req` ends ("stop", "length", "abort" or "error"): its slots go back (into the radix
@@ -467,8 +471,13 @@ class Engine:
         """Let the prefill lane's thread end (it holds the model); the engine must not step after."""
         if self.lane is not None:
             self.lane.close()
+        if self.cache.tier is not None:
+            self.cache.tier.close()   # finishes the queued writes
 
     def flush_cache(self) -> None:
-        """Drop every unlocked radix entry and idle session (SGLang's /flush_cache)."""
+        """Drop every unlocked radix entry and idle session (SGLang's /flush_cache), and every entry
+        of the disk tier."""
         self.reuse.drop_idle_sessions()
         self.cache.radix.reset()
+        if self.cache.tier is not None:
+            self.cache.tier.flush()

@@ -24,6 +24,10 @@ exception once slots are taken (allocation, relocation) propagates: the engine f
 and frees what it holds. A request for
 prompt logprobs computes every position (fallback "prompt_logprobs") but still updates its session.
 
+Disk tier (when the engine has one): an idle session that a client named, dropped for room, puts
+its private K/V into the tier (an approximate entry only its id loads); a request naming a session
+that is gone restores it from there before matching (`_restore_session`).
+
 Selective recompute (attention-only models; see kvsplice.reuse.recompute): after relocation the
 first `seam_tokens` of every span and the message openings inside the edited spans are added to the
 offsets to compute, chosen at admission, so the counters are final from there on.
@@ -54,6 +58,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsplice.cache.checkpoint_policy import least_useful, sequence_candidates
+from kvsplice.cache.disk_tier import kv_from_pool, kv_into_pool
+from kvsplice.cache.tier_format import EntryKey, TierEntry, namespace_name
 from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
@@ -105,6 +111,7 @@ class ReuseManager:
                                 model_config.vocab_size, attention_layers=model_config.num_kv_layers)
         self.fallbacks: dict[str, int] = {}
         self.sessions_evicted_for_memory = 0
+        self.sessions_restored = 0   # sessions whose private K/V came back from the disk tier
 
     def request_config(self, scr: str | dict | None, cache_salt: str | None) -> ScrRequest | None:
         """The request's SCR state, or None when SCR is off for it (globally, by its `scr`
@@ -127,7 +134,8 @@ class ReuseManager:
         keeps waiting; nothing changed except session bookkeeping)."""
         admitted = self._admit(req, update_stats)
         if admitted and update_stats:
-            req.reuse = self._with_flops(req)
+            req.reuse = dataclasses.replace(self._with_flops(req),
+                                            disk_tokens=min(req.disk_tokens, req.reuse.prefix_tokens))
         return admitted
 
     def _admit(self, req: Req, update_stats: bool) -> bool:
@@ -212,6 +220,8 @@ class ReuseManager:
         Forking costs at most a stale session until eviction; taking over would cost the other
         conversation its K/V."""
         cfg = scr.cfg
+        if req.session_id is not None and self.sessions.get(req.namespace, req.session_id) is None:
+            self._restore_session(req.namespace, req.session_id)
         found = self.sessions.match(
             req.prompt_ids, req.namespace, req.session_id,
             diff=lambda old, new: diff_tokens(old, new, fastdiff_min=cfg.fastdiff_min, cdc_target=cfg.cdc_target))
@@ -443,7 +453,9 @@ class ReuseManager:
         self.sessions.update(session, ids, private_tokens=int(private.numel()), prompt_len=prompt_len)
 
     def forget(self, req: Req) -> None:
-        """`req` is gone: end its session's in-flight mark and enforce the session limits."""
+        """`req` is gone: end its session's in-flight mark and enforce the session limits; drop the
+        disk-tier reads started for it that no admission collected."""
+        self.cache.discard_prefetches(req)
         scr = req.scr
         if scr is not None and scr.session is not None:
             self.sessions.end(scr.session)
@@ -470,9 +482,57 @@ class ReuseManager:
             return False
         victim = min(idle, key=lambda s: s.last_used)
         self.sessions.remove(victim)
+        self._spill_session(victim)
         self._free_payload(victim)
         self.sessions_evicted_for_memory += 1
         return True
+
+    # ----- sessions in the disk tier ----------------------------------------------------
+    def _spill_session(self, session: Session) -> None:
+        """A session dropped for memory that a client named and that holds private (approximate)
+        K/V: that K/V goes to the disk tier as an entry only this session id loads back
+        (`_restore_session`); its exact part is in the radix tree, which spills it on eviction."""
+        kv, tier = session.payload, self.cache.tier
+        if tier is None or not session.named or kv is None or kv.states or not kv.private_slots.numel():
+            return
+        exact = int(kv.exact_slots.numel())
+        ids = torch.tensor(session.token_ids[: exact + int(kv.private_slots.numel())], dtype=torch.int64)
+        key = EntryKey.for_session(namespace_name(session.namespace), session.session_id)
+        tier.put(TierEntry(key, ids, exact, kv_from_pool(self.cache.pool, kv.private_slots), exact=False,
+                           session_id=session.session_id))
+
+    def _restore_session(self, namespace, session_id: str) -> None:
+        """Bring back the session `session_id` of `namespace` from the disk tier, if it is there and
+        its exact part can be had whole (radix tree, then the tier's exact entries): its private K/V
+        gets fresh slots, and the session is tracked again (then verified as any named session).
+        The prompt / completion split is not stored: the whole sequence counts as its prompt."""
+        tier = self.cache.tier
+        key = EntryKey.for_session(namespace_name(namespace), session_id) if tier is not None else None
+        if key is None or not tier.contains(key):
+            return
+        entry = tier.get(key, session_id=session_id)
+        if entry is None:
+            return
+        ids = entry.token_ids.tolist()
+        exact = ids[: entry.start_pos]
+        match = self.cache.radix.match_prefix(exact, namespace)
+        needed = len(exact) - match.length + entry.num_tokens
+        while (self.cache.allocator.num_free + self.cache.radix.evictable_size() < needed
+               and self._drop_one_idle_session()):
+            pass                                # idle sessions go first, as for any admission
+        match = self.cache.extend_from_tier(exact, namespace, match)
+        if match.length != len(exact):        # never keep a gap between the exact and private parts
+            return
+        self.cache.radix.lock(match.node)
+        private = self._with_room(lambda: self.cache.alloc(entry.num_tokens))
+        if private is None:
+            self.cache.radix.unlock(match.node)
+            return
+        kv_into_pool(self.cache.pool, private, entry.kv)
+        session = self.sessions.create(namespace, session_id)
+        session.payload = SessionKV(match.node, match.slots, private)
+        self.sessions.update(session, ids, private_tokens=int(private.numel()))
+        self.sessions_restored += 1
 
     def _count_fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1

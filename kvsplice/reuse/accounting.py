@@ -7,7 +7,8 @@ Explicit counters replace the SCR overlay's inference from SGLang's double-count
     prefilled_tokens == changed + span_tails + unchosen_spans + uncached_unchanged + recomputed
 
 `recomputed` are relocated tokens that selective recompute computed again in every layer (they
-count as prefilled, not relocated).
+count as prefilled, not relocated). `disk_tokens` are the prefix tokens whose K/V was loaded from
+the disk tier (0 <= disk_tokens <= prefix_tokens).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ReuseStats:
     `relocated_spans` counts the spans whose K/V were copied, recomputed tokens or not.
     `session`: "new" (no earlier session), "matched", or "off" (SCR disabled for the request);
     `fallback`: why no relocation happened (a plan reason, or an engine failure), None if it did
-    or there was nothing to relocate. `recomputed`: see the module docstring."""
+    or there was nothing to relocate. `recomputed`, `disk_tokens`: see the module docstring."""
 
     prefix_tokens: int
     relocated_tokens: int
@@ -48,6 +49,7 @@ class ReuseStats:
     recomputed: int = 0
     prefill_flops: int = 0     # FLOPs of the tokens computed for this prompt (FlopsModel)
     saved_flops: int = 0       # FLOPs avoided against computing the whole prompt
+    disk_tokens: int = 0       # of prefix_tokens: loaded from the disk tier
 
     @classmethod
     def from_plan_result(cls, result: PlanResult, *, prompt_len: int, prefix_len: int,
@@ -84,6 +86,8 @@ class ReuseStats:
                   self.changed, self.span_tails, self.unchosen_spans, self.uncached_unchanged, self.recomputed)
         if min(counts) < 0:
             raise AccountingError(f"negative reuse counter in {self}")
+        if not 0 <= self.disk_tokens <= self.prefix_tokens:
+            raise AccountingError(f"disk_tokens {self.disk_tokens} outside [0, prefix {self.prefix_tokens}]")
         if prompt_tokens != self.prefix_tokens + self.relocated_tokens + self.prefilled_tokens:
             raise AccountingError(
                 f"prompt_tokens {prompt_tokens} != prefix {self.prefix_tokens} + relocated "

@@ -36,6 +36,8 @@ from typing import Iterator, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvsplice.cache.disk_tier import TierStats
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005) + E2E_BUCKETS
@@ -51,6 +53,7 @@ _ENGINE_COUNTERS = (
     ("relocated_tokens", "kvsplice_relocated_tokens", "prompt tokens whose K/V was relocated by SCR"),
     ("prefilled_tokens", "kvsplice_prefilled_tokens", "prompt tokens computed by prefill"),
     ("relocated_spans", "kvsplice_relocated_spans", "spans relocated by SCR"),
+    ("disk_tokens", "kvsplice_disk_tokens", "prompt tokens whose K/V was loaded from the disk tier (within prefix_tokens)"),
     ("preemptions", "kvsplice_preemptions", "requests preempted for lack of KV slots"),
     ("forward_steps", "kvsplice_forward_steps", "model forward passes"),
     ("requests_finished", "kvsplice_engine_requests_finished", "requests finished by the engine"),
@@ -60,6 +63,29 @@ _ENGINE_COUNTERS = (
     ("compiled_decode_fallbacks", "kvsplice_compiled_decode_fallbacks",
      "decode steps the compiled graphs' guards refused, run eagerly instead of recompiling (--compile-decode)"),
 )
+
+# The disk tier's TierStats fields (--kv-disk-dir; all 0 without it): (field, help); bytes_used and
+# entries are gauges, the rest counters. Exported as kvsplice_kv_disk_<field>.
+_TIER_SERIES = (
+    ("hits", "loads from the disk tier that returned verified K/V"),
+    ("misses", "disk tier lookups that returned nothing (gone, corrupt, another namespace's): recomputed"),
+    ("loads", "disk tier entry files read and verified"),
+    ("load_seconds", "seconds spent reading and verifying disk tier entries (mean latency: / loads)"),
+    ("writes", "entries written to the disk tier"),
+    ("write_errors", "disk tier writes that failed (ENOSPC, EIO; the entry is dropped)"),
+    ("read_errors", "disk tier reads that failed with an I/O error"),
+    ("dropped_queue_full", "evicted entries not written: the disk tier's writer queue was full"),
+    ("dropped_over_budget", "evicted entries not written: larger than the disk tier's budget or share"),
+    ("evictions", "disk tier entries evicted (least recently used) to stay within --kv-disk-gb"),
+    ("corrupt_dropped", "disk tier files found torn or corrupt and removed (never loaded)"),
+    ("temp_files_removed", "partial disk tier writes (a killed process's) removed at start"),
+    ("ignored_at_start", "disk tier entries of another model identity removed unread at start"),
+)
+_TIER_GAUGES = (
+    ("bytes_used", "bytes the disk tier's files and writes in flight take (at most --kv-disk-gb)"),
+    ("entries", "entries stored in the disk tier"),
+)
+TIER_PREFIX = "kvsplice_kv_disk_"
 
 
 def token_count_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -85,6 +111,7 @@ class EngineSnapshot:
     slots_free: int
     slots_cached: int
     decode_arena_bytes: int = 0
+    tier: TierStats = TierStats()      # the disk tier's counters (zeros without one)
 
 
 def take_snapshot(engine) -> EngineSnapshot:
@@ -102,6 +129,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         slots_free=engine.cache.allocator.num_free,
         slots_cached=engine.cache.radix.cached_size(),
         decode_arena_bytes=engine.runner.arena.nbytes if engine.runner.arena is not None else 0,
+        tier=engine.cache.tier.stats() if engine.cache.tier is not None else TierStats(),
     )
 
 
@@ -178,6 +206,11 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, help_text, labels=(MODEL_LABEL,))
             family.add_metric((self.model_name,), value)
             yield family
+        for series, kind in ((_TIER_SERIES, CounterMetricFamily), (_TIER_GAUGES, GaugeMetricFamily)):
+            for field_name, help_text in series:
+                family = kind(TIER_PREFIX + field_name, help_text, labels=(MODEL_LABEL,))
+                family.add_metric((self.model_name,), getattr(snap.tier, field_name))
+                yield family
 
 
 def _engine_gauges(snap: EngineSnapshot) -> tuple[tuple[str, str, float], ...]:

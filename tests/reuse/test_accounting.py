@@ -32,7 +32,7 @@ def test_as_dict_is_the_usage_reuse_object():
         "prefix_tokens": 100, "relocated_tokens": 400, "prefilled_tokens": 50, "relocated_spans": 2,
         "session": "matched", "fallback": None,
         "changed": 18, "span_tails": 32, "unchosen_spans": 0, "uncached_unchanged": 0,
-        "recomputed": 0, "prefill_flops": 0, "saved_flops": 0,
+        "recomputed": 0, "prefill_flops": 0, "saved_flops": 0, "disk_tokens": 0,
     }
 
 
