@@ -85,8 +85,9 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     `config.compile_decode` "auto" is decided here (`kvsplice.models.compile_choice`; the reason
     logged once). Where it is on, the compiled decode step builds on a background thread
     (`decode_builder`, default inductor with its cache under kvsplice's cache directory,
-    `decode_cache_dir`); `wait_for_compile` waits for it (raising what the build raised), else the
-    engine steps eagerly until the graphs are built (the server)."""
+    `decode_cache_dir`); `wait_for_compile` starts it and waits for it (raising what the build
+    raised); else the caller starts it (`engine.runner.fast.compiled.start()`: the server does once
+    it has warmed the engine up) and the engine steps eagerly until the graphs are built."""
     path = resolve_model(config.model)
     dtype = resolve_auto_dtype(config.dtype, config.device)
     facts = _compile_facts(config, dtype)

@@ -72,6 +72,7 @@ def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Option
     compiled = engine.runner.fast.compiled if engine.runner.fast is not None else None
     if compiled is not None:   # its traced graphs add objects the first freeze did not see
         compiled.future.add_done_callback(lambda _: freeze_startup_heap())
+        compiled.start()
     log = log or RequestLog()
     app = create_app(engine, settings, log, compute)
     log.start(start_record(app.state.kvsplice.model_name, settings.model_path, engine_config, engine.max_model_len,
