@@ -117,7 +117,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "(minutes on 2 cores, under a minute once the compile cache holds them; `kvsplice pull --compile` "
                "fills it); on needs int4 / int8 weights and a C++ compiler; auto: on where that holds on a CPU "
                "with native bf16 (avx512_bf16 / amx_bf16) and bf16 activations; a bare flag is on",
-               choices=COMPILE_DECODE_CHOICES, cli_default="auto", bare="on"),
+               choices=COMPILE_DECODE_CHOICES, cli_default="off", bare="on"),
     EngineFlag("num_slots", CACHE, "KV pool size in tokens"),
     EngineFlag("prefix_cache", CACHE, "turn the radix prefix cache off (and with it SCR)"),
     EngineFlag("decode_arena_tokens", CACHE, "bound (tokens) of the contiguous K/V copies of decoding requests; "

@@ -252,6 +252,8 @@ class CompiledDecode:
 
     def _take(self) -> bool:
         """Install the built graphs once they are there (on the calling thread, between steps)."""
+        if self._built is not None:
+            return True
         if not self.future.done() or self.future.exception() is not None:
             return False
         built = self.future.result()
@@ -263,8 +265,8 @@ class CompiledDecode:
     def _build(self, builder: DecodeBuilder, spec: GraphSpec) -> None:
         """The build thread: build, log the time it took (or why it failed), hand the result over.
         It keeps the default CPU priority: at a lower one it was descheduled while holding the GIL
-        that every step needs (measured on 2 busy cores: a 64-token reply took 44 s during the build
-        at nice 19, 12 s at the default priority, 1.8-4.6 s after it)."""
+        that every step needs (measured on 2 cores busy with other work: a 64-token reply during the
+        build took 44 s at nice 19, 12 s at the default priority)."""
         try:
             built = builder.build(self.eager, spec)
         except BaseException as exc:  # noqa: BLE001 -- the eager step serves; said once here
