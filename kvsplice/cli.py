@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 from kvsplice.cache.disk_tier import DiskTierConfig, DiskTierError
-from kvsplice.config import WEIGHT_FORMAT_CHOICES, EngineConfig
+from kvsplice.config import COMPILE_DECODE_CHOICES, WEIGHT_FORMAT_CHOICES, EngineConfig
 from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, EnvVar, ReuseConfig, check_field
 
 BAD_INPUT = 2
@@ -105,6 +105,7 @@ class EngineFlag(NamedTuple):
     cli_default: Any = None
     choices: Optional[tuple[str, ...]] = None
     hidden: bool = False            # works, but not listed by --help (docs/SERVING.md lists it)
+    bare: Optional[str] = None   # the value of the flag given without one (None: it needs one)
 
 
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
@@ -116,8 +117,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("device", MODEL, "torch device"),
     EngineFlag("fast_path", MODEL, "run every step on the reference Decoder (no fused / packed fast path)"),
     EngineFlag("compile_decode", MODEL, "compile decode-only steps with torch.compile (inductor, C++ wrapper): "
-               "fewer per-op dispatches per token; start-up compiles first (minutes on 2 cores, under a minute "
-               "once inductor's cache holds it); needs int4 / int8 weights and a C++ compiler"),
+               "fewer per-op dispatches per token; the graphs build in the background while eager steps serve "
+               "(minutes on 2 cores, under a minute once the compile cache holds them; `kvsplice pull --compile` "
+               "fills it); on needs int4 / int8 weights and a C++ compiler; auto: on where that holds on a CPU "
+               "with native bf16 (avx512_bf16 / amx_bf16) and bf16 activations; a bare flag is on",
+               choices=COMPILE_DECODE_CHOICES, cli_default="off", bare="on"),
     EngineFlag("num_slots", CACHE, "KV pool size in tokens"),
     EngineFlag("prefix_cache", CACHE, "turn the radix prefix cache off (and with it SCR)"),
     EngineFlag("decode_arena_tokens", CACHE, "bound (tokens) of the contiguous K/V copies of decoding requests; "
@@ -161,9 +165,9 @@ def _add_engine_flag(group: argparse._ArgumentGroup, spec: EngineFlag) -> None:
         return
     shown = spec.cli_default if spec.cli_default is not None else default
     suffix = f" (default {shown})" if shown is not None else ""
-    group.add_argument(f"--{name}", dest=spec.field, type=spec.parse or _field_type(spec.field),
-                       default=spec.cli_default, choices=spec.choices,
-                       help=argparse.SUPPRESS if spec.hidden else spec.help + suffix,
+    bare = {"nargs": "?", "const": spec.bare} if spec.bare is not None else {}
+    group.add_argument(f"--{name}", dest=spec.field, type=spec.parse or _field_type(spec.field), **bare,
+                       default=spec.cli_default, choices=spec.choices, help=argparse.SUPPRESS if spec.hidden else spec.help + suffix,
                        metavar=spec.metavar or (None if spec.choices else _metavar(_field_type(spec.field), name)))
 
 
@@ -366,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
-    sub.add_parser("pull", help="fetch and convert the default model")
+    pull = sub.add_parser("pull", help="fetch and convert the default model")
+    pull.add_argument("--compile", action="store_true",
+                      help="also build its compiled decode step into the compile cache, as `serve` would use it")
     for name in PASS_THROUGH:
         sub.add_parser(name, help=f"see `kvsplice {name} --help`", add_help=False)
     return parser
@@ -415,6 +421,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     _check_model_arg(args.model)
     config = engine_config_from_args(args, os.environ)
+    if config.compile_decode == "auto":   # one completion: a compile would cost more than it saves
+        config = dataclasses.replace(config, compile_decode="off")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     llm = LLM(engine=build_engine(config))
     prompt: str | list[int] = args.prompt
@@ -427,10 +435,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pull(_: argparse.Namespace) -> int:
+def _pull(args: argparse.Namespace) -> int:
     from kvsplice.models.default_model import pull_default_model
 
     print(pull_default_model(progress=True))
+    if args.compile:   # the engine `kvsplice serve` builds with its default flags
+        import torch
+
+        from kvsplice.engine.llm import warm_compile_cache
+
+        lane = resolve_prefill_lane_threads("auto", torch.get_num_threads())
+        print(warm_compile_cache(EngineConfig(dtype="auto", prefill_lane_threads=lane)), flush=True)
     return 0
 
 

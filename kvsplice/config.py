@@ -9,6 +9,7 @@ from kvsplice.cache.disk_tier import DiskTierConfig
 from kvsplice.reuse.config import ReuseConfig
 
 WEIGHT_FORMAT_CHOICES = ("auto", "dense", "int8", "int4")
+COMPILE_DECODE_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,12 @@ class EngineConfig:
         is int4 data (a GGUF Q4_0 / Q4_1) and the activations are bf16.
     fast_path: run eligible models through `kvsplice.models.fast_decode.FastDecoder` (fused,
         packed, decode over the DecodeArena); False: the reference Decoder for every step.
-    compile_decode: compile the fast path's decode-only steps with torch.compile
+    compile_decode: "on": compile the fast path's decode-only steps with torch.compile
         (`kvsplice.models.compiled_decode`; needs the fast path, the DecodeArena, int4 / int8
-        projections and a C++ compiler). Building the engine then compiles first: minutes the
-        first time, much less with inductor's on-disk cache warm.
+        projections and a C++ compiler), on a background thread: minutes on 2 cores, under a
+        minute with the compile cache warm; "off"; "auto": on where it is expected faster
+        (`kvsplice.models.compile_choice`), resolved by `build_engine` (an Engine built directly
+        takes auto as off). True / False are taken as "on" / "off".
     decode_arena_tokens: bound of the DecodeArena (rows x capacity, tokens), the contiguous
         copies of decoding requests' K/V; 0 disables it (decode rows gather from the pool).
     step_budget_ratio: without a prefill lane, while requests decode, a step's prefill share is
@@ -69,7 +72,7 @@ class EngineConfig:
     num_state_slots: int | None = None
     weight_format: str = "auto"
     fast_path: bool = True
-    compile_decode: bool = False
+    compile_decode: str = "off"
     decode_arena_tokens: int = 32_768
     step_budget_ratio: float = 2.5
     min_prefill_tokens: int = 16
@@ -79,6 +82,10 @@ class EngineConfig:
     disk_tier: DiskTierConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile_decode, bool):
+            object.__setattr__(self, "compile_decode", "on" if self.compile_decode else "off")
+        if self.compile_decode not in COMPILE_DECODE_CHOICES:
+            raise ValueError(f"compile_decode must be one of {COMPILE_DECODE_CHOICES}, got {self.compile_decode!r}")
         for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -95,10 +95,12 @@ def default_state_slots(config: EngineConfig) -> int:
 
 class Engine:
     """The step loop over one model. `failpoints`: a test seam (kvsplice.engine.failpoints) that
-    makes chosen stages fail; None (the default) costs nothing."""
+    makes chosen stages fail; None (the default) costs nothing. `decode_builder`: what builds the
+    compiled decode step (kvsplice.models.compiled_decode; default inductor)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
-                 config: EngineConfig, name: str = "model", failpoints: Failpoints | None = None):
+                 config: EngineConfig, name: str = "model", failpoints: Failpoints | None = None,
+                 decode_builder=None):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -118,7 +120,8 @@ class Engine:
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
                                   failpoints=failpoints, message_starts=MessageStarts(tokenizer))
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints)
+        self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints,
+                                  decode_builder=decode_builder)
         self.lane: PrefillLane | None = None
         if 0 < config.prefill_lane_threads < torch.get_num_threads() and self.runner.supports_lane:
             self.lane = PrefillLane(config.prefill_lane_threads, self.runner.run_lane)

@@ -8,8 +8,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,12 +23,20 @@ from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.request import RequestOutput
 from kvsplice.layers.sampler import TokenLogprob
 from kvsplice.message_offsets import message_offsets
+from kvsplice.models.compile_choice import (choose_compile_decode, compile_cache_dir, compile_cache_key,
+                                            cpu_identity, find_cpp_compiler, model_identity, read_cpu_flags)
+from kvsplice.models.compiled_decode import InductorBuilder
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
-from kvsplice.models.default_model import resolve_model
+from kvsplice.models.default_model import cache_dir, resolve_model
+from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.models.loader import load_checkpoint, resolve_dtype
+from kvsplice.models.quantize import WeightFormat, resolve_weight_format
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.utils.thread_policy import ThreadPolicy
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,18 +76,93 @@ def resolve_auto_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-def build_engine(config: EngineConfig, failpoints: Failpoints | None = None) -> Engine:
+def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, decode_builder=None,
+                 wait_for_compile: bool = True) -> Engine:
     """Load `config.model` (a local HF dir, a GGUF file, a llama2.c .bin, a hub id, or None for
     the default model) and build an Engine around it (`config.dtype` may be "auto"; `failpoints`:
-    a test seam, see Engine)."""
+    a test seam, see Engine).
+
+    `config.compile_decode` "auto" is decided here (`kvsplice.models.compile_choice`; the reason
+    logged once). Where it is on, the compiled decode step builds on a background thread
+    (`decode_builder`, default inductor with its cache under kvsplice's cache directory,
+    `decode_cache_dir`); `wait_for_compile` starts it and waits for it (raising what the build
+    raised); else the caller starts it (`engine.runner.fast.compiled.start()`: the server does once
+    it has warmed the engine up) and the engine steps eagerly until the graphs are built."""
     path = resolve_model(config.model)
     dtype = resolve_auto_dtype(config.dtype, config.device)
-    ckpt = load_checkpoint(path, dtype=dtype, head_blocks=config.compile_decode)   # for the row head
+    facts = _compile_facts(config, dtype)
+    # what the machine alone decides, before the weights are read (their format, the model's kind)
+    choice = choose_compile_decode(config.compile_decode, weight_format="int4", fast_path=None, **facts)
+    ckpt = load_checkpoint(path, dtype=dtype, head_blocks=choice.enabled)   # for the row head
     model_config = ModelConfig.from_hf_config(ckpt.hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)
     model.to(config.device).eval()
-    return Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name, failpoints=failpoints)
+    if choice.enabled:
+        weight_format = resolve_weight_format(config.weight_format, model)
+        choice = choose_compile_decode(config.compile_decode, weight_format=weight_format.projections,
+                                       fast_path=_fast_path_missing(config, model_config), **facts)
+    _log.info("compiled decode: %s", choice.reason)
+    config = dataclasses.replace(config, compile_decode="on" if choice.enabled else "off")
+    if choice.enabled and decode_builder is None:
+        decode_builder = InductorBuilder(decode_cache_dir(config, ckpt.name, ckpt.hf_config, model_config,
+                                                          weight_format))
+    engine = Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name, failpoints=failpoints,
+                    decode_builder=decode_builder)
+    compiled = engine.runner.fast.compiled if engine.runner.fast is not None else None
+    if wait_for_compile and compiled is not None:
+        compiled.wait()
+    return engine
+
+
+def warm_compile_cache(config: EngineConfig) -> str:
+    """Build the engine of `config` and wait for its compiled decode step, so that the compile
+    cache holds it for the next start with the same settings (`kvsplice pull --compile`). Returns
+    a line saying how long it took and where it is cached; raises what the build raised."""
+    import time
+
+    started = time.perf_counter()
+    build_engine(dataclasses.replace(config, compile_decode="on"))
+    return (f"compiled decode: built in {time.perf_counter() - started:.0f} s, cached in "
+            f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'inductor default cache')}")
+
+
+def _compile_facts(config: EngineConfig, dtype: torch.dtype) -> dict:
+    """What `choose_compile_decode` needs of the machine and the dtype (read once, cheap)."""
+    on_cpu = str(config.device) == "cpu"
+    return {"cpu_flags": read_cpu_flags() if on_cpu else frozenset(), "compiler": find_cpp_compiler(),
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+def _fast_path_missing(config: EngineConfig, model_config: ModelConfig) -> str | None:
+    """Why the decode step would not run on the fast path over the DecodeArena, or None."""
+    if not config.fast_path:
+        return "--no-fast-path"
+    if not FastDecoder.supports(model_config):
+        return f"{model_config.model_type} is not an attention-only model the fast path runs"
+    if not config.decode_arena_tokens:
+        return "the DecodeArena is off (--decode-arena-tokens 0)"
+    if str(config.device) != "cpu":
+        return f"the device is {config.device}, not the CPU"
+    return None
+
+
+def decode_cache_dir(config: EngineConfig, name: str, hf_config: dict, model_config: ModelConfig,
+                     weight_format: WeightFormat) -> Path:
+    """The compile cache of this model's decode graphs: `<kvsplice cache>/inductor/<key>`, the key
+    from torch's version, the model's identity, the graphs' shapes, formats and thread counts,
+    and the CPU (`kvsplice.models.compile_choice`)."""
+    from kvsplice import __version__
+
+    threads = ThreadPolicy.from_config(config.decode_threads, config.prefill_lane_threads)
+    shapes = {"kvsplice": __version__, "dtype": config.dtype, "weights": weight_format.describe(),
+              "layers": model_config.num_layers, "hidden": model_config.hidden_size,
+              "heads": model_config.num_heads, "kv_heads": model_config.num_kv_heads,
+              "head_dim": model_config.head_dim, "vocab": model_config.vocab_size,
+              "threads": [threads.compiled_step_counts(), threads.head_counts()]}
+    key = compile_cache_key(torch.__version__, model_identity(name, hf_config), shapes,
+                            cpu_identity(torch.backends.cpu.get_cpu_capability(), read_cpu_flags()))
+    return compile_cache_dir(cache_dir(), key)
 
 
 class LLM:

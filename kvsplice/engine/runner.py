@@ -50,11 +50,13 @@ class ModelRunner:
     itself, the reference. Construction rounds `model`'s weights to `config.weight_format`
     (in place), so both paths compute the same model. Each step's wall time is reported to
     `budget` (the scheduler's StepBudget), if given. `failpoints` (tests) may make the forward or
-    the sampling raise.
+    the sampling raise. `decode_builder`: what builds the compiled decode step, with
+    `config.compile_decode` "on" (default: inductor).
     """
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, states: StatePool | None = None,
-                 config: EngineConfig | None = None, budget: StepBudget | None = None, failpoints=None):
+                 config: EngineConfig | None = None, budget: StepBudget | None = None, failpoints=None,
+                 decode_builder=None):
         config = config or EngineConfig()
         self.model = model
         self.pool = pool
@@ -65,22 +67,24 @@ class ModelRunner:
         self.arena: DecodeArena | None = None
         self.weight_format = WeightFormat("dense", "dense")
         self.threads = ThreadPolicy.from_config(config.decode_threads, config.prefill_lane_threads)
+        compiles = config.compile_decode == "on"   # build_engine resolves auto
         if isinstance(model, Decoder):
             self.weight_format = resolve_weight_format(config.weight_format, model)
             apply_weight_format(model, self.weight_format)
             if config.fast_path and states is None and FastDecoder.supports(model.cfg):
-                if config.compile_decode and not config.decode_arena_tokens:
+                if compiles and not config.decode_arena_tokens:
                     raise ValueError("--compile-decode needs the DecodeArena (--decode-arena-tokens above 0)")
                 self.fast = FastDecoder(model, self.weight_format.projections, self.weight_format.lm_head,
-                                        compile_decode=config.compile_decode, threads=self.threads)
+                                        compile_decode=compiles, threads=self.threads,
+                                        decode_builder=decode_builder)
                 if config.decode_arena_tokens:   # the compiled graphs take arenas of 2 rows or more
                     self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
                                              config.decode_arena_tokens, device=pool.k.device,
-                                             min_rows=2 if config.compile_decode else 1)
+                                             min_rows=2 if compiles else 1)
             elif config.fast_path and states is None:
                 logger.warning("the fast path does not implement %s (%s): every batch runs on the reference Decoder",
                                model.cfg.model_type, FastDecoder.refusal(model.cfg))
-        if config.compile_decode and self.fast is None:
+        if compiles and self.fast is None:
             raise ValueError("--compile-decode needs the fast path: an attention-only model without sliding "
                              "windows, and no --no-fast-path")
 

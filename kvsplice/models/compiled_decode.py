@@ -22,12 +22,27 @@ the scratch tensors the graphs are traced with): the row count, the context widt
 dimension), the pool's slot count and the arena's rows and capacity. Weights and model sizes stay
 static, so the kernels are specialised to them. dynamo specialises a dimension of size 1, so one row
 and 2..max_rows rows are two graphs, and the arena must hold at least two rows
-(`DecodeArena(min_rows=2)`). Both graphs are compiled when this object is built, at the thread count decode steps run at
+(`DecodeArena(min_rows=2)`). Both graphs are compiled by a builder (`InductorBuilder`) at the thread count decode steps run at
 (`ThreadPolicy.compiled_step_counts`: dynamo guards torch's thread count, so graphs built at
 another count, for example under `--decode-threads 1`, would refuse every step), on scratch tensors
-(nothing of the engine's pool or arena is touched), so no request waits for a compile: minutes
-the first time, much less once inductor's on-disk cache holds them (start-up times: the
-docs/BENCHMARKS_HISTORY.md section above). Afterwards every call runs under `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
+(nothing of the engine's pool or arena is touched): minutes the first time, much less once
+inductor's on-disk cache holds them (start-up times: docs/BENCHMARKS_HISTORY.md, "Figures formerly
+quoted in code").
+
+Background build. The build runs on a thread of its own that ends when it is done, started by
+`start` (the server starts it once the engine is built and warmed up, so that the build does not
+slow the start-up down); until then `covers` is False and every step runs eagerly. The compute thread
+takes the built graphs itself, in `covers`, before a step decides its path, so a step runs wholly
+eager or wholly compiled (the swap is between steps, never inside one), and nothing the build
+touches is shared with a step but the model's weights, which both only read. The build thread sets
+its own intra-op thread count; its OpenMP team ends with it (libgomp frees a thread's pool when the
+thread exits), so the process does not keep more OpenMP threads than cores once it is done (see
+kvsplice.engine.compute_thread). While it runs it takes CPU time and the GIL from the steps, which are
+slower for that time, never refused. `wait` blocks until the build is done (the offline API and
+`kvsplice pull --compile` wait; the server does not). A build that fails leaves the eager step:
+the failure is logged once (`wait` raises it).
+
+Afterwards every call runs under `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
 runs, and runs eagerly instead (`fallbacks` counts them), so serving never stalls on a compile.
 
 Numerics: the fused kernels keep fp32 intermediates that the eager bf16 ops round (for example
@@ -36,14 +51,22 @@ bit for bit. The tests bound the difference; on the default model it is the size
 own bf16 noise between batch compositions (docs/BENCHMARKS.md). Prefill never uses this step.
 """
 
+
 from __future__ import annotations
 
+import concurrent.futures
 import logging
-from typing import Callable
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from kvsplice.layers.attention import length_mask
+from kvsplice.layers.block_int8_head import BlockInt8Head, Int8Blocks
 from kvsplice.layers.compiled_call import INDUCTOR_OPTIONS, GraphRefused, call_compiled
 from kvsplice.utils.thread_policy import intra_op_threads
 
@@ -63,39 +86,163 @@ def _skip_decoder_guards(entries) -> list[bool]:
     return [not entry.name.startswith("self.") for entry in entries]
 
 
+@dataclass(frozen=True)
+class GraphSpec:
+    """What a builder compiles: the decode step for 1 and 2..`max_rows` rows of a model of
+    `num_layers` layers, `num_kv_heads` K/V heads of `head_dim` in `dtype`, at each of
+    `thread_counts`; and, with `head_blocks`, the one-row head (BlockInt8Head) at `head_counts`."""
+
+    max_rows: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    thread_counts: tuple[int, ...]
+    head_blocks: Optional[Int8Blocks] = None
+    head_counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BuiltDecode:
+    """A builder's result: the compiled step (decode_fn's signature) and the row head, if any."""
+
+    step: DecodeFn
+    row_head: Optional[BlockInt8Head] = None
+
+
+class DecodeBuilder(Protocol):
+    """Builds the graphs of `spec` for `decode_fn` (blocking; called on the build thread)."""
+
+    def build(self, decode_fn: DecodeFn, spec: GraphSpec) -> BuiltDecode: ...
+
+
+class InductorBuilder:
+    """torch.compile (inductor, C++ wrapper) of the step and the row head, compiled by running them
+    on scratch tensors. `cache_dir`: inductor's on-disk cache for them (TORCHINDUCTOR_CACHE_DIR,
+    set for the process unless it names a directory of the user's own); None: inductor's default."""
+
+    def __init__(self, cache_dir: Optional[Path] = None):
+        self.cache_dir = cache_dir
+
+    def build(self, decode_fn: DecodeFn, spec: GraphSpec) -> BuiltDecode:
+        self._use_cache_dir()
+        compiled = torch.compile(decode_fn, fullgraph=True,
+                                 options={**INDUCTOR_OPTIONS, "guard_filter_fn": _skip_decoder_guards})
+        for count in spec.thread_counts or (torch.get_num_threads(),):   # the count is guarded: one set each
+            with intra_op_threads(count):
+                _warm_up(compiled, spec)
+        row_head = (BlockInt8Head(spec.head_blocks, spec.dtype, spec.head_counts)
+                    if spec.head_blocks is not None else None)
+        return BuiltDecode(compiled, row_head)
+
+    def _use_cache_dir(self) -> None:
+        from torch._inductor import config
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        from torch._inductor.utils import clear_caches
+
+        config.fx_graph_cache = True
+        if self.cache_dir is None:
+            return
+        present = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if present is not None and os.path.abspath(present) != default_cache_dir():
+            _log.info("compiled decode: inductor's cache is the user's TORCHINDUCTOR_CACHE_DIR=%s", present)
+            return
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
+        clear_caches()   # directories inductor derived from an earlier value
+
+
+def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> None:
+    """Compile both graphs on scratch tensors, with the dimensions that vary between steps
+    marked dynamic. Their sizes are distinct and above 1 (dynamo specialises size 1 and
+    merges symbols whose sizes are equal when it traces). The scratch pool and arena are
+    normal tensors, as the KVPool's and DecodeArena's are, and the step's own tensors are made
+    in inference mode, as the engine's steps make them (the guards check which kind each is)."""
+    slots, arena_rows, capacity = 61, spec.max_rows + 3, 37
+    # laid out as KVPool and DecodeArena lay theirs out: K and V each one tensor of all layers
+    pool_k, pool_v = (torch.zeros(spec.num_layers, slots, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype)
+                      for _ in range(2))
+    arena_k, arena_v = (torch.zeros(spec.num_layers, arena_rows, spec.num_kv_heads, capacity, spec.head_dim,
+                                    dtype=spec.dtype) for _ in range(2))
+    for tensor in (pool_k, pool_v):
+        torch._dynamo.mark_dynamic(tensor, 1)
+    for tensor in (arena_k, arena_v):
+        torch._dynamo.mark_dynamic(tensor, 1)
+        torch._dynamo.mark_dynamic(tensor, 3)
+    for count in ((1,) if spec.max_rows == 1 else (1, 2)):
+        with torch.inference_mode():
+            lengths = torch.tensor([7 + row for row in range(count)])
+            step = (torch.zeros(count, dtype=torch.int64), lengths - 1, torch.arange(count) + 5,
+                    length_mask(lengths, 6 + count))   # the longest context, as the engine's masks
+        torch._dynamo.mark_dynamic(step[3], 3)
+        if count > 1:
+            for tensor in step:
+                torch._dynamo.mark_dynamic(tensor, 0)
+        with torch.inference_mode():
+            compiled(*step, pool_k, pool_v, arena_k, arena_v)
+
+
 class CompiledDecode:
-    """`decode_fn` (FastDecoder.arena_decode_hidden) compiled for 1 and for 2..`max_rows` rows.
+    """`decode_fn` (FastDecoder.arena_decode_hidden) compiled by `builder` for 1 and for
+    2..`spec.max_rows` rows, built on a thread of its own once `start` (or `wait`) is called (see
+    the module docstring). `covers` says whether a step can use the graphs (False until they are built);
+    `__call__` takes decode_fn's arguments and returns its result, compiled where a graph covers
+    the call, eager otherwise. `row_head`: the built one-row head (None until then, or without
+    one). `state`: "building", "active" or "failed" (`error` then says why)."""
 
-    Construction compiles both graphs (blocking; see the module docstring) at each of
-    `thread_counts` (the intra-op counts the steps will run at; default: the present one). `covers` says whether
-    a step can use them; `__call__` takes decode_fn's arguments and returns its result, compiled
-    where a graph covers the call, eager otherwise.
-    """
-
-    def __init__(self, decode_fn: DecodeFn, max_rows: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, thread_counts: tuple[int, ...] = ()):
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+    def __init__(self, decode_fn: DecodeFn, spec: GraphSpec, builder: Optional[DecodeBuilder] = None):
+        if spec.max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {spec.max_rows}")
         self.eager = decode_fn
-        self.max_rows = max_rows
+        self.max_rows = spec.max_rows
         self.compiled_steps = 0   # calls a compiled graph ran
         self.fallbacks = 0        # calls no graph covered, run eagerly
-        self._compiled = torch.compile(decode_fn, fullgraph=True,
-                                       options={**INDUCTOR_OPTIONS, "guard_filter_fn": _skip_decoder_guards})
-        for count in thread_counts or (torch.get_num_threads(),):   # the count is guarded: one set of graphs each
-            with intra_op_threads(count):
-                self._warm_up(num_layers, num_kv_heads, head_dim, dtype)
+        self.row_head: Optional[BlockInt8Head] = None
+        self.error: Optional[BaseException] = None
+        self.build_s: Optional[float] = None
+        self._built: Optional[BuiltDecode] = None   # taken by the compute thread (`_take`)
+        self._started = time.perf_counter()
+        self.future: concurrent.futures.Future[BuiltDecode] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._build, args=(builder or InductorBuilder(), spec),
+                                        name="kvsplice-compile", daemon=True)
+        self._start_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the build thread (once; later calls do nothing)."""
+        with self._start_lock:
+            if self._thread.ident is None:
+                self._started = time.perf_counter()
+                self._thread.start()
+
+    @property
+    def state(self) -> str:
+        if self._built is not None:
+            return "active"
+        return "failed" if self.future.done() and self.future.exception() is not None else "building"
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Start the build if it is not yet, block until it is done and take its graphs; raises
+        what the build raised."""
+        self.start()
+        self.future.result(timeout)
+        self._take()
 
     def covers(self, count: int, width: int, arena_rows: int, capacity: int) -> bool:
-        """True when a step of `count` arena rows with longest context `width`, in an arena of
-        `arena_rows` rows of `capacity` positions, has a graph. The graphs were traced with
-        2 <= width < capacity and at least two arena rows; the other cases (a size of 1, a context
-        that exactly fills the capacity, about one step in 256) would each need a graph of their own."""
+        """True when the graphs are built and a step of `count` arena rows with longest context
+        `width`, in an arena of `arena_rows` rows of `capacity` positions, has one. The graphs
+        were traced with 2 <= width < capacity and at least two arena rows; the other cases (a size
+        of 1, a context that exactly fills the capacity, about one step in 256) would each need a
+        graph of their own. Called by the compute thread before a step: that is where the built
+        graphs are taken."""
+        if self._built is None and not self._take():
+            return False
         return 1 <= count <= self.max_rows and 2 <= width < capacity and arena_rows >= 2
 
     def __call__(self, *args) -> torch.Tensor:
+        if self._built is None:
+            return self.eager(*args)
         try:
-            hidden = call_compiled(self._compiled, *args)
+            hidden = call_compiled(self._built.step, *args)
         except GraphRefused as refused:   # nothing written yet
             if not self.fallbacks:
                 _log.warning("compiled decode: a step no graph covers runs eagerly (counted in fallbacks): %s", refused)
@@ -104,30 +251,31 @@ class CompiledDecode:
         self.compiled_steps += 1
         return hidden
 
-    def _warm_up(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """Compile both graphs on scratch tensors, with the dimensions that vary between steps
-        marked dynamic. Their sizes are distinct and above 1 (dynamo specialises size 1 and
-        merges symbols whose sizes are equal when it traces). The scratch pool and arena are
-        normal tensors, as the KVPool's and DecodeArena's are, and the step's own tensors are made
-        in inference mode, as the engine's steps make them (the guards check which kind each is)."""
-        slots, arena_rows, capacity = 61, self.max_rows + 3, 37
-        # laid out as KVPool and DecodeArena lay theirs out: K and V each one tensor of all layers
-        pool_k, pool_v = (torch.zeros(num_layers, slots, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
-        arena_k, arena_v = (torch.zeros(num_layers, arena_rows, num_kv_heads, capacity, head_dim, dtype=dtype)
-                            for _ in range(2))
-        for tensor in (pool_k, pool_v):
-            torch._dynamo.mark_dynamic(tensor, 1)
-        for tensor in (arena_k, arena_v):
-            torch._dynamo.mark_dynamic(tensor, 1)
-            torch._dynamo.mark_dynamic(tensor, 3)
-        for count in ((1,) if self.max_rows == 1 else (1, 2)):
-            with torch.inference_mode():
-                lengths = torch.tensor([7 + row for row in range(count)])
-                step = (torch.zeros(count, dtype=torch.int64), lengths - 1, torch.arange(count) + 5,
-                        length_mask(lengths, 6 + count))   # the longest context, as the engine's masks
-            torch._dynamo.mark_dynamic(step[3], 3)
-            if count > 1:
-                for tensor in step:
-                    torch._dynamo.mark_dynamic(tensor, 0)
-            with torch.inference_mode():
-                self._compiled(*step, pool_k, pool_v, arena_k, arena_v)
+    def _take(self) -> bool:
+        """Install the built graphs once they are there (on the calling thread, between steps)."""
+        if self._built is not None:
+            return True
+        if not self.future.done() or self.future.exception() is not None:
+            return False
+        built = self.future.result()
+        self.row_head = built.row_head
+        self._built = built
+        _log.info("compiled decode: active, %.1f s after the build started", time.perf_counter() - self._started)
+        return True
+
+    def _build(self, builder: DecodeBuilder, spec: GraphSpec) -> None:
+        """The build thread: build, log the time it took (or why it failed), hand the result over.
+        It keeps the default CPU priority: at a lower one it was descheduled while holding the GIL
+        that every step needs (measured on 2 cores busy with other work: a 64-token reply during the
+        build took 44 s at nice 19, 12 s at the default priority)."""
+        try:
+            built = builder.build(self.eager, spec)
+        except BaseException as exc:  # noqa: BLE001 -- the eager step serves; said once here
+            self.error = exc
+            _log.warning("compiled decode: the build failed, decode steps stay eager: %s: %s",
+                         type(exc).__name__, exc)
+            self.future.set_exception(exc)
+            return
+        self.build_s = time.perf_counter() - self._started
+        _log.info("compiled decode: graphs built in %.1f s; the next decode step switches to them", self.build_s)
+        self.future.set_result(built)

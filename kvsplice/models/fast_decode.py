@@ -46,7 +46,7 @@ from kvsplice.layers.block_int8_head import BlockInt8Head
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
 from kvsplice.layers.quant_linear import PackedLinear
-from kvsplice.models.compiled_decode import CompiledDecode
+from kvsplice.models.compiled_decode import CompiledDecode, DecodeBuilder, GraphSpec
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.utils.thread_policy import ThreadPolicy
@@ -121,7 +121,8 @@ class FastDecoder:
     Construction re-points `model`'s projection weights to views of the fused copies (`_fuse`)."""
 
     def __init__(self, model: Decoder, weight_format: str = "dense", lm_head_format: str | None = None,
-                 compile_decode: bool = False, threads: ThreadPolicy | None = None):
+                 compile_decode: bool = False, threads: ThreadPolicy | None = None,
+                 decode_builder: DecodeBuilder | None = None):
         cfg = model.cfg
         if not self.supports(cfg):
             raise ValueError(f"{cfg.model_type}: the fast path needs an attention-only model without "
@@ -138,11 +139,15 @@ class FastDecoder:
         self.q_width = cfg.num_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         threads = threads or ThreadPolicy.from_config(None)
-        self.compiled = self._compile(threads) if compile_decode else None
-        # one row's logits from the checkpoint's own int8 blocks (a GGUF Q8_0 head), compiled as the
-        # decode step is: with compile_decode only (kvsplice.layers.block_int8_head)
-        self.row_head = (BlockInt8Head(model.head_blocks, self.embed.dtype, threads.head_counts())
-                         if compile_decode and head_format == "dense" and model.head_blocks is not None else None)
+        # one row's logits from the checkpoint's own int8 blocks (a GGUF Q8_0 head), compiled with
+        # the decode step: with compile_decode only (kvsplice.layers.block_int8_head)
+        head_blocks = model.head_blocks if head_format == "dense" else None
+        self.compiled = self._compile(threads, head_blocks, decode_builder) if compile_decode else None
+
+    @property
+    def row_head(self) -> Optional[BlockInt8Head]:
+        """The one-row head of the compiled build, once it is built (None before, or without one)."""
+        return self.compiled.row_head if self.compiled is not None else None
 
     @staticmethod
     def supports(cfg: ModelConfig) -> bool:
@@ -175,18 +180,20 @@ class FastDecoder:
             gate_up=_fuse([mlp.gate_proj, mlp.up_proj], fmt),
             down=_fuse([mlp.down_proj], fmt))
 
-    def _compile(self, threads: ThreadPolicy) -> CompiledDecode:
-        """The compiled decode step at the thread counts `threads` runs decode steps at (blocks
-        while it compiles). It needs packed projections: the dense ones call oneDNN's prepacked
-        weights, which inductor cannot trace."""
+    def _compile(self, threads: ThreadPolicy, head_blocks, builder: DecodeBuilder | None) -> CompiledDecode:
+        """The compiled decode step at the thread counts `threads` runs decode steps at, and the row
+        head of `head_blocks` at its counts, built by `builder` in the background (see
+        kvsplice.models.compiled_decode). It needs packed projections: the dense ones call oneDNN's
+        prepacked weights, which inductor cannot trace."""
         linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if any(linear.packed is None for linear in linears):
             raise ValueError("--compile-decode needs int4 or int8 projections (--weight-format int4|int8|auto "
                              "on a checkpoint whose weights it packs)")
         cfg = self.cfg
-        return CompiledDecode(self.arena_decode_hidden, min(linear.small_batch_rows for linear in linears),
-                              cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.embed.dtype,
-                              threads.compiled_step_counts())
+        spec = GraphSpec(min(linear.small_batch_rows for linear in linears), cfg.num_layers, cfg.num_kv_heads,
+                         cfg.head_dim, self.embed.dtype, threads.compiled_step_counts(), head_blocks,
+                         threads.head_counts())
+        return CompiledDecode(self.arena_decode_hidden, spec, builder)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None) -> torch.Tensor:

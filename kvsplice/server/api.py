@@ -68,10 +68,14 @@ def _install_probe_routes(app: FastAPI, state: ServerState) -> tuple[type[BaseMo
     """Probes (/health, /readiness, /health_generate: GET and HEAD) and /metrics."""
 
     async def health() -> Response:
-        """Liveness: 200 while the engine thread runs (the model is loaded before the app starts)."""
+        """Liveness: 200 while the engine thread runs (the model is loaded and warmed up before the
+        app starts); with --compile-decode on, also whether its graphs are "building" (eager steps
+        serve meanwhile), "active" or "failed"."""
         if not state.async_engine.alive:
             return JSONResponse(error_body("the engine thread died", "server_error"), status_code=503)
-        return JSONResponse({"status": "ok"})
+        fast = state.engine.runner.fast
+        compiled = fast.compiled if fast is not None else None
+        return JSONResponse({"status": "ok"} if compiled is None else {"status": "ok", "compiled_decode": compiled.state})
 
     async def readiness() -> Response:
         """Readiness: 200 only when the engine thread answers a call between steps."""

@@ -42,20 +42,37 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def build_app(engine_config: EngineConfig, settings: ServerSettings, log: Optional[RequestLog] = None,
-              failpoints: Optional[Failpoints] = None):
-    """Load the model, write the `kvsplice.start` line to `log`, and return the app. Raises what
-    `build_engine` raises (ValueError / OSError for a model it cannot load). `failpoints`: a test
-    seam handed to the Engine. The model is loaded on the ComputeThread that will step it (see
-    kvsplice.engine.compute_thread: loaded on this thread instead, a decode step was measured
-    slower)."""
+              failpoints: Optional[Failpoints] = None, warm: bool = False, decode_builder=None):
+    """Load the model, warm it up (`warm`, kvsplice.engine.warmup), write the `kvsplice.start` line
+    to `log`, and return the app. Raises what `build_engine` raises (ValueError / OSError for a
+    model it cannot load). `failpoints`: a test seam handed to the Engine; `decode_builder`: what
+    builds the compiled decode step (default inductor). The model is loaded on the ComputeThread
+    that will step it (see kvsplice.engine.compute_thread: loaded on this thread instead, a decode
+    step was measured slower). The compiled decode step, where it is on, is not waited for: it
+    builds in the background and the engine switches to it between two steps once it is built
+    (kvsplice.models.compiled_decode); the start-up heap is frozen again then."""
     from kvsplice.engine.llm import build_engine  # imports torch and the model code
+    from kvsplice.engine.warmup import warm_up
+
+    def build():
+        started = time.perf_counter()
+        engine = build_engine(engine_config, failpoints=failpoints, decode_builder=decode_builder,
+                              wait_for_compile=False)
+        logger.info("engine built in %.1f s", time.perf_counter() - started)
+        if warm:
+            warm_up(engine)
+        return engine
 
     compute = ComputeThread()
     try:
-        engine = compute.run(lambda: build_engine(engine_config, failpoints=failpoints))
+        engine = compute.run(build)
     except BaseException:
         compute.close()
         raise
+    compiled = engine.runner.fast.compiled if engine.runner.fast is not None else None
+    if compiled is not None:   # its traced graphs add objects the first freeze did not see
+        compiled.future.add_done_callback(lambda _: freeze_startup_heap())
+        compiled.start()
     log = log or RequestLog()
     app = create_app(engine, settings, log, compute)
     log.start(start_record(app.state.kvsplice.model_name, settings.model_path, engine_config, engine.max_model_len,
@@ -111,7 +128,9 @@ def serve(engine_config: EngineConfig, settings: ServerSettings, log_level: str 
     if warning:
         print(warning, file=stderr, flush=True)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")   # no-op if configured
-    app = build_app(engine_config, settings, failpoints=Failpoints.from_env(os.environ))
+    logging.getLogger("kvsplice").setLevel(logging.INFO)   # start-up lines: build, warm-up, compiled decode
+    failpoints = Failpoints.from_env(os.environ)
+    app = build_app(engine_config, settings, failpoints=failpoints, warm=failpoints is None)   # armed: no warm-up
     freeze_startup_heap()
     config = uvicorn.Config(app, host=settings.host or "127.0.0.1", port=settings.port or 8000,
                             log_level=log_level, timeout_graceful_shutdown=5)

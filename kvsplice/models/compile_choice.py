@@ -1,0 +1,110 @@
+"""Whether `--compile-decode auto` compiles the decode step, and where inductor keeps what it built.
+
+The choice (`choose_compile_decode`) is a pure function of facts checked at start: the CPU's flags
+(/proc/cpuinfo), whether a C++ compiler is on the PATH, the projections' weight format and the
+activations' dtype, and whether the model runs on the fast path (attention-only, with the
+DecodeArena). auto compiles only where the compiled step was measured faster: bf16 activations on a
+CPU with native bf16 (avx512_bf16 or amx_bf16), int4 / int8 projections (the packed kernels that
+inductor can trace), a C++ compiler for inductor's C++ wrapper, an attention-only model on the
+fast path (docs/BENCHMARKS.md: 1.09-1.25x the tokens/s on 2 Xeon cores with AMX). Anything else
+is never assumed: auto stays eager and says why.
+
+The compile cache (`compile_cache_dir`) is one directory per key under kvsplice's cache
+(`~/.cache/kvsplice/inductor/<key>`), the key a hash of what invalidates the graphs: torch's
+version, the model's identity (its name and configuration), the graphs' shapes and
+formats, the thread counts they are built at, and the CPU (torch's capability and its flags).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("auto", "on", "off")
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# the flags that change the kernels inductor generates (its vector ISA) or the choice above
+KEY_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8")
+COMPILERS = ("g++", "c++", "clang++")
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """Whether to compile the decode step, and why (logged once at start)."""
+
+    enabled: bool
+    reason: str
+
+
+def choose_compile_decode(mode: str, cpu_flags: frozenset[str], compiler: str | None, weight_format: str,
+                          dtype: str, fast_path: str | None) -> CompileChoice:
+    """The decision for `mode` ("auto" | "on" | "off"). `cpu_flags`: the CPU's flags (/proc/cpuinfo);
+    `compiler`: the C++ compiler found, or None; `weight_format`: the projections' format ("dense",
+    "int8", "int4"); `dtype`: the activations' ("bfloat16", ...); `fast_path`: None where the model runs
+    on the fast path with the DecodeArena, else why not. "on" and "off" are taken as they are (on
+    where it cannot work raises later, naming what is missing); auto compiles only where every fact
+    says it is faster. ValueError for an unknown mode."""
+    if mode not in MODES:
+        raise ValueError(f"compile_decode must be one of {MODES}, got {mode!r}")
+    if mode != "auto":
+        return CompileChoice(mode == "on", f"--compile-decode {mode}")
+    missing = []
+    if not cpu_flags & NATIVE_BF16_FLAGS:
+        missing.append("the CPU has no native bf16 (avx512_bf16 / amx_bf16)")
+    if dtype != "bfloat16":
+        missing.append(f"activations are {dtype}, not bfloat16")
+    if weight_format not in ("int4", "int8"):
+        missing.append(f"the projections are {weight_format}, not int4 / int8")
+    if fast_path is not None:
+        missing.append(fast_path)
+    if compiler is None:
+        missing.append(f"no C++ compiler ({' / '.join(COMPILERS)}) on the PATH")
+    if missing:
+        return CompileChoice(False, "auto: eager, because " + "; ".join(missing))
+    return CompileChoice(True, f"auto: compiled ({'amx_bf16' if 'amx_bf16' in cpu_flags else 'avx512_bf16'}, "
+                               f"{weight_format} projections, {compiler})")
+
+
+def read_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The flags of the first CPU in `cpuinfo`; empty where it cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def find_cpp_compiler() -> str | None:
+    """The C++ compiler inductor would call: `$CXX` where set, else the first of COMPILERS on the
+    PATH; None when there is none."""
+    configured = os.environ.get("CXX")
+    candidates = (configured,) if configured else COMPILERS
+    return next((found for found in (shutil.which(name) for name in candidates) if found), None)
+
+
+def compile_cache_key(torch_version: str, model: tuple[str, ...], shapes: dict, cpu: tuple[str, ...]) -> str:
+    """16 hex digits of a hash of every input; any change gives another key."""
+    text = json.dumps([torch_version, list(model), shapes, list(cpu)], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_identity(name: str, hf_config: dict) -> tuple[str, ...]:
+    """The model's name and a hash of its configuration (config.json): the graphs depend on the
+    architecture and the weights' shapes, not on their values (weights are inputs of the graphs),
+    so a copy of the model elsewhere shares them and a changed configuration does not."""
+    text = json.dumps(hf_config, sort_keys=True, default=str)
+    return name, hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cpu_identity(capability: str, flags: frozenset[str]) -> tuple[str, ...]:
+    """torch's CPU capability and the KEY_FLAGS the CPU has."""
+    return (capability, *sorted(flag for flag in KEY_FLAGS if flag in flags))
+
+
+def compile_cache_dir(root: Path, key: str) -> Path:
+    """`root/inductor/<key>` (not created here)."""
+    return root / "inductor" / key
