@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -147,15 +148,21 @@ def _fast_path_missing(config: EngineConfig, model_config: ModelConfig) -> str |
     return None
 
 
+def _installed_version() -> str:
+    """kvsplice's installed version (part of the compile cache key), "unknown" when not installed."""
+    try:
+        return metadata.version("kvsplice")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def decode_cache_dir(config: EngineConfig, name: str, hf_config: dict, model_config: ModelConfig,
                      weight_format: WeightFormat) -> Path:
     """The compile cache of this model's decode graphs: `<kvsplice cache>/inductor/<key>`, the key
     from torch's version, the model's identity, the graphs' shapes, formats and thread counts,
     and the CPU (`kvsplice.models.compile_choice`)."""
-    from kvsplice import __version__
-
     threads = ThreadPolicy.from_config(config.decode_threads, config.prefill_lane_threads)
-    shapes = {"kvsplice": __version__, "dtype": config.dtype, "weights": weight_format.describe(),
+    shapes = {"kvsplice": _installed_version(), "dtype": config.dtype, "weights": weight_format.describe(),
               "layers": model_config.num_layers, "hidden": model_config.hidden_size,
               "heads": model_config.num_heads, "kv_heads": model_config.num_kv_heads,
               "head_dim": model_config.head_dim, "vocab": model_config.vocab_size,

@@ -6,7 +6,7 @@ activations' dtype, and whether the model runs on the fast path (attention-only,
 DecodeArena). auto compiles only where the compiled step was measured faster: bf16 activations on a
 CPU with native bf16 (avx512_bf16 or amx_bf16), int4 / int8 projections (the packed kernels that
 inductor can trace), a C++ compiler for inductor's C++ wrapper, an attention-only model on the
-fast path (docs/BENCHMARKS.md: 1.09-1.25x the tokens/s on 2 Xeon cores with AMX). Anything else
+fast path (docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's llama-server on the same GGUF"). Anything else
 is never assumed: auto stays eager and says why.
 
 The compile cache (`compile_cache_dir`) is one directory per key under kvsplice's cache
