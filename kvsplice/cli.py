@@ -134,7 +134,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("step_budget_ratio", SCHEDULER, "without a prefill lane, while requests decode, size each step's "
                "prefill share so that the step takes about this many times a decode-only step"),
     EngineFlag("min_prefill_tokens", SCHEDULER, "prefill tokens every step carries at least, so prefill always "
-               "progresses"),
+               "progresses", hidden=True),
     EngineFlag("decode_threads", SCHEDULER, "intra-op threads of steps with decode rows: N, or auto (every "
                "thread, as the other steps get; a smaller N leaves cores to other work while tokens stream)",
                metavar="N|auto", parse=_auto_or_count(1, 1024), cli_default="auto"),
