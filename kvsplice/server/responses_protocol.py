@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
-from kvsplice.server.protocol import (FUNCTION_NAME, MAX_TOOLS, _check_id, _OpenAIRequest, _refuse_unless_neutral,
+from kvsplice.server.protocol import (FUNCTION_NAME, MAX_TOOLS, FunctionDefinition, _check_id, _OpenAIRequest, _refuse_unless_neutral,
                                       request_limits)
 from kvsplice.structured.spec import check_schema
 
@@ -123,21 +123,11 @@ InputItem = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputIte
                       Field(discriminator="type")]
 
 
-class FunctionTool(_Item):
-    """A function tool (the only kind served: hosted tools such as web search are not)."""
+class FunctionTool(FunctionDefinition):
+    """A function tool (the only kind served: hosted tools such as web search are not): chat's
+    function definition, flattened into the tool as the Responses API sends it."""
 
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[StrictBool] = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _bounded(cls, parameters: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        if parameters is not None:
-            check_schema(parameters, "parameters")
-        return parameters
 
 
 class FunctionChoice(_Item):
