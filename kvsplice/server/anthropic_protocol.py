@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
-from kvsplice.server.protocol import FUNCTION_NAME, MAX_TOOLS, _check_id, _check_stop, _refuse_unless_neutral, request_limits
+from kvsplice.server.protocol import (FUNCTION_NAME, _check_id, _check_stop, _refuse_unless_neutral, check_tool_count,
+                                      request_limits)
 from kvsplice.structured.spec import check_schema
 
 
@@ -168,9 +169,7 @@ class _MessagesFields(_Strict):
     @field_validator("tools")
     @classmethod
     def _tool_count(cls, tools: Optional[list[Tool]]) -> Optional[list[Tool]]:
-        if tools is not None and len(tools) > MAX_TOOLS:
-            raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
-        return tools
+        return check_tool_count(tools)
 
     @field_validator("thinking")
     @classmethod

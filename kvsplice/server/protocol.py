@@ -89,6 +89,13 @@ class _OpenAIRequest(_Request):
     model_config = ConfigDict(extra="forbid")
 
 
+def check_tool_count(tools: Optional[list]) -> Optional[list]:
+    """`tools` unchanged; ValueError past MAX_TOOLS (every protocol's `tools` has the same bound)."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
+    return tools
+
+
 def _refuse_unless_neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
     if value not in neutral:
         raise ValueError(f"{name} is not supported by this server (see docs/COMPATIBILITY.md)")
@@ -374,9 +381,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("tools")
     @classmethod
     def _tool_count(cls, tools: Optional[list[Tool]]) -> Optional[list[Tool]]:
-        if tools is not None and len(tools) > MAX_TOOLS:
-            raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
-        return tools
+        return check_tool_count(tools)
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
-from kvsplice.server.protocol import (FUNCTION_NAME, MAX_TOOLS, FunctionDefinition, _check_id, _OpenAIRequest, _refuse_unless_neutral,
-                                      request_limits)
+from kvsplice.server.protocol import (FUNCTION_NAME, FunctionDefinition, _check_id, _OpenAIRequest,
+                                      _refuse_unless_neutral, check_tool_count, request_limits)
 from kvsplice.structured.spec import check_schema
 
 
@@ -249,9 +249,7 @@ class ResponseRequest(_OpenAIRequest):
     @field_validator("tools")
     @classmethod
     def _tool_count(cls, tools: Optional[list[FunctionTool]]) -> Optional[list[FunctionTool]]:
-        if tools is not None and len(tools) > MAX_TOOLS:
-            raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(tools)}")
-        return tools
+        return check_tool_count(tools)
 
     @field_validator("background")
     @classmethod
