@@ -665,8 +665,23 @@ def kv_from_pool(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
 
 def kv_into_pool(pool: KVPool, slots: torch.Tensor, kv: torch.Tensor) -> None:
     """Copy a loaded entry's K/V (or a slice of its tokens) into `slots` of the pool."""
+    run = _ascending_run(slots)
+    if run is not None:                 # fresh slots mostly are: a plain copy, twice the speed of a scatter
+        pool.k[:, run].copy_(kv[:, 0])
+        pool.v[:, run].copy_(kv[:, 1])
+        return
     pool.k[:, slots] = kv[:, 0].to(pool.k.device)
     pool.v[:, slots] = kv[:, 1].to(pool.v.device)
+
+
+def _ascending_run(slots: torch.Tensor) -> slice | None:
+    """`slots` as a slice when they are consecutive ascending slot numbers, else None."""
+    if not slots.numel():
+        return None
+    first, last = int(slots[0]), int(slots[-1])
+    if last - first + 1 != slots.numel() or not bool(torch.all(slots[1:] - slots[:-1] == 1)):
+        return None
+    return slice(first, last + 1)
 
 
 def _tokens_match(entry: TierEntry, token_ids: Sequence[int] | torch.Tensor | None) -> bool:

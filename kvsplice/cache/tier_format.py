@@ -11,7 +11,8 @@ One entry file (little-endian, every offset a multiple of 64 so tensors are read
 
     offset 0   magic b"KVSPTIER" (8) | header_len u32 | payload_len u64 | header (JSON, space-padded)
     then       payload: the tensors' raw bytes, each at a 64-byte aligned offset (zero padding)
-    last 4     crc32 of everything before it (magic, lengths, header, payload)
+    last 8     XXH3-64 of everything before it (magic, lengths, header, payload): a checksum at
+               memory speed (a 4K-token entry's 90 MiB in a few ms; crc32 took ten times as long)
 
 The header names the format version, the identity digest, the namespace (in full: the directory
 name is only its hash), the content key, kind/exact/session, the start position, and each tensor's
@@ -30,17 +31,17 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Hashable, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
-TIER_FORMAT_VERSION = 1
+TIER_FORMAT_VERSION = 2            # 2: XXH3-64 instead of crc32
 MAGIC = b"KVSPTIER"
 PREFIX = struct.Struct("<8sIQ")        # magic, header_len, payload_len
-CHECKSUM = struct.Struct("<I")         # crc32 of everything before it
+CHECKSUM = struct.Struct("<Q")         # XXH3-64 of everything before it
 ALIGN = 64
 ENTRY_SUFFIX = ".kvt"
 KV_TENSOR = "kv"
@@ -289,10 +290,11 @@ def encode_payload(entry: TierEntry) -> list[memoryview]:
 
 
 def checksum(chunks: Sequence[bytes | memoryview]) -> bytes:
-    crc = 0
+    """XXH3-64 of the chunks' bytes in order, packed as the file's last CHECKSUM.size bytes."""
+    state = xxhash.xxh3_64()
     for chunk in chunks:
-        crc = zlib.crc32(chunk, crc)
-    return CHECKSUM.pack(crc)
+        state.update(chunk)
+    return CHECKSUM.pack(state.intdigest())
 
 
 def parse_header(head: bytes, file_size: int | None = None) -> EntryHeader:
