@@ -55,7 +55,7 @@ from kvsplice.cache.disk_tier import DiskTier, DiskTierConfig, kv_from_pool, kv_
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.radix import PrefixMatch, RadixCache
 from kvsplice.cache.state_pool import StatePool
-from kvsplice.cache.tier_format import EntryKey, TierEntry, TierIdentity, namespace_name
+from kvsplice.cache.tier_format import EntryKey, PrefixHasher, TierEntry, TierIdentity, namespace_name
 from kvsplice.engine.request import Req, StateReuse
 
 logger = logging.getLogger(__name__)
@@ -153,18 +153,28 @@ class CacheManager:
         return True
 
     # ----- the disk tier -----------------------------------------------------------------
-    def _spill(self, namespace: Hashable, token_ids: tuple[int, ...], start: int, slots: torch.Tensor) -> None:
-        """The radix tree's eviction hook: the evicted leaf (positions start..end of `token_ids`) as
-        exact entries cut at every multiple of TIER_CHUNK_TOKENS, their K/V copied out now (the
-        slots are freed right after) and written later. An entry serves a match only up to its end,
-        so the cuts let a later prompt that stops inside the leaf (the same prompt without the
-        reply it got) load all but its last partial chunk."""
-        ids = torch.tensor(token_ids, dtype=torch.int64)
-        kv = kv_from_pool(self.pool, slots)
+    def _spill(self, namespace: Hashable, token_ids: Sequence[int], start: int, slots: torch.Tensor) -> None:
+        """The radix tree's eviction hook: the evicted leaf (positions start..end of `token_ids`,
+        K/V in `slots`) as exact entries cut at every multiple of TIER_CHUNK_TOKENS, the K/V of
+        those the tier does not hold yet copied out now (the slots are freed right after) and
+        written later. An entry serves a match only up to its end, so the cuts let a later prompt
+        that stops inside the leaf (the same prompt without the reply it got) load all but its last
+        partial chunk."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64)
         name = namespace_name(namespace)
         cuts = [start, *range((start // TIER_CHUNK_TOKENS + 1) * TIER_CHUNK_TOKENS, len(ids), TIER_CHUNK_TOKENS), len(ids)]
+        hasher = PrefixHasher().update(ids[:start])
         for lo, hi in zip(cuts, cuts[1:]):
-            self.tier.put(TierEntry(EntryKey.for_prefix(name, ids[:hi]), ids[:hi], lo, kv[:, :, lo - start: hi - start]))
+            key = EntryKey(name, hasher.update(ids[lo:hi]).hexdigest())
+            if not self.tier.contains(key):
+                self.tier.put(TierEntry(key, ids[:hi], lo, kv_from_pool(self.pool, slots[lo - start: hi - start])))
+
+    def _write_through(self, namespace: Hashable, ids: Sequence[int], slots: torch.Tensor) -> None:
+        """A finished request's exact K/V (`ids`, in `slots`) into the tier as well as the radix
+        tree, so that a SIGKILL loses no more than the turns in flight: the pieces of the spill's
+        cuts the tier does not hold yet (an earlier turn's are skipped by key, with no copy)."""
+        if len(ids):
+            self._spill(namespace, ids, 0, slots)
 
     def prefetch(self, req: Req) -> None:
         """Start reading the tier entries that continue `req`'s prompt beyond what the radix tree
@@ -339,6 +349,8 @@ class CacheManager:
         ids = req.seq_ids[:exact_len]
         if cache and self.prefix_cache and kv_len > 0:
             n_present = self.radix.insert(ids, req.seq_slots[:exact_len], req.namespace)
+            if self.tier is not None:
+                self._write_through(req.namespace, ids, req.seq_slots[:exact_len])
             dup_end = max(n_present, req.owned_from)
             self.allocator.free(req.seq_slots[req.owned_from: dup_end])
             leftover = req.seq_slots[max(exact_len, req.owned_from): kv_len].clone()

@@ -4,6 +4,7 @@ namespaces, and recomputed when its file went bad."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,11 @@ def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
     return torch.randint(5, vocab, (n,), generator=generator).tolist()
 
 
-def tiered_llm(model_dir: str, tier_dir: Path, **kwargs) -> LLM:
-    tier = DiskTierConfig(tier_dir, budget_bytes=50_000_000, write_queue_size=256)
-    return LLM(engine=build_engine(EngineConfig(model=model_dir, num_slots=POOL, disk_tier=tier, **kwargs)))
+def tiered_llm(model_dir: str, tier_dir: Path, fs=None, **kwargs) -> LLM:
+    tier = DiskTierConfig(tier_dir, budget_bytes=50_000_000, write_queue_size=256,
+                          **({"fs": fs} if fs is not None else {}))
+    kwargs.setdefault("num_slots", POOL)
+    return LLM(engine=build_engine(EngineConfig(model=model_dir, disk_tier=tier, **kwargs)))
 
 
 def cold(model_dir: str, prompt: list[int]):
@@ -82,6 +85,28 @@ def test_a_new_engine_on_the_same_directory_serves_from_it(model_dir, tmp_path):
     [served] = restarted.generate([prompt], GREEDY)
     assert served.reuse.disk_tokens > 0
     assert_same_output(served, cold(model_dir, prompt))
+    restarted.engine.close()
+
+
+def test_a_finished_request_is_written_through_without_any_eviction(model_dir, tmp_path):
+    """What a SIGKILL leaves: the K/V of finished requests is on disk although the pool evicted
+    nothing, in 128-token pieces that a second turn (the same prefix) does not write again."""
+    prompt = prompt_ids(300, seed=5)
+    first = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096)
+    first.generate([prompt], GREEDY)
+    first.engine.cache.tier.wait_writes()
+    stats = first.engine.cache.tier.stats()
+    assert stats.writes == 3 and stats.evictions == 0                  # [0, 128), [128, 256), [256, 305)
+    [again] = first.generate([prompt + prompt_ids(20, seed=6)], GREEDY)
+    assert again.reuse.prefix_tokens == len(prompt)
+    first.engine.cache.tier.wait_writes()
+    assert first.engine.cache.tier.stats().writes == 3 + 1             # only the new last piece
+    first.engine.close()
+    restarted = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096)
+    [served] = restarted.generate([prompt], GREEDY)
+    assert served.reuse.disk_tokens == 256
+    assert_same_output(served, cold(model_dir, prompt))
+    restarted.engine.check_integrity()
     restarted.engine.close()
 
 
@@ -188,3 +213,38 @@ def test_a_named_session_dropped_for_memory_comes_back_from_the_tier(model_dir, 
     assert third.reuse.session == "matched" and third.reuse.relocated_tokens > 0
     llm.engine.check_integrity()
     llm.engine.close()
+
+
+def test_a_full_disk_costs_reuse_never_a_reply(model_dir, tmp_path):
+    """ENOSPC on every write once serving: each is counted and dropped, and the prompts evicted
+    meanwhile are recomputed with the cold output."""
+    from tests.cache.tier_helpers import FailingFileSystem
+    fs = FailingFileSystem(errno.ENOSPC)
+    llm = tiered_llm(model_dir, tmp_path / "tier", fs=fs)
+    fs.failing = True
+    prompt = prompt_ids(140, seed=7)
+    llm.generate([prompt], GREEDY)
+    evict_with_others(llm)
+    stats = llm.engine.cache.tier.stats()
+    assert stats.write_errors >= 3 and stats.writes == 0 and stats.entries == 0 and stats.bytes_used == 0
+    [again] = llm.generate([prompt], GREEDY)
+    assert again.reuse.disk_tokens == 0
+    assert_same_output(again, cold(model_dir, prompt))
+    llm.engine.check_integrity()
+    llm.engine.close()
+
+
+def test_another_dtype_on_the_same_directory_ignores_its_entries(model_dir, tmp_path):
+    """A model identity mismatch (here the dtype): the old entries are removed unread and counted."""
+    prompt = prompt_ids(140, seed=8)
+    first = tiered_llm(model_dir, tmp_path / "tier")
+    first.generate([prompt], GREEDY)
+    first.engine.close()
+    old_files = sorted((tmp_path / "tier" / "entries").rglob("*.kvt"))
+    assert len(old_files) >= 2
+    other = tiered_llm(model_dir, tmp_path / "tier", dtype="bfloat16")
+    assert other.engine.cache.tier.stats().ignored_at_start == len(old_files)
+    assert not any(path.exists() for path in old_files)
+    [served] = other.generate([prompt], GREEDY)
+    assert served.reuse.disk_tokens == 0
+    other.engine.close()
