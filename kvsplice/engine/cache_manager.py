@@ -30,9 +30,12 @@ extra reference each, `pin_loads`) until the request lets go of its states.
 
 Disk tier (attention-only models, `kvsplice.cache.disk_tier`): a radix leaf evicted for room is
 copied out of the pool (before its slots are freed) and put into the tier as an exact prefix entry
-of its namespace; the writer thread writes it. A match first takes the radix tree's prefix A, then
-asks the tier for stored entries continuing the prompt beyond A; the K/V it loads get fresh slots
-and enter the radix tree as cached prefix, so the request (and any later one) hits them:
+of its namespace; the writer thread writes it. A finished request's exact K/V is put as well, as
+it enters the tree (only the pieces the tier lacks), so that a SIGKILL or a crash loses no more than
+the requests in flight and the eviction of a piece already stored copies nothing. A match first
+takes the radix tree's prefix A, then asks the tier for stored entries continuing the prompt
+beyond A; the K/V it loads get fresh slots and enter the radix tree as cached prefix, so the
+request (and any later one) hits them:
 
     prompt      [ A: radix ][ loaded from the tier ][ prefilled ... ]
     req.disk_tokens          <------------------->   (counted within usage.reuse.prefix_tokens)
