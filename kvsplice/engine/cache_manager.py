@@ -156,28 +156,34 @@ class CacheManager:
         return True
 
     # ----- the disk tier -----------------------------------------------------------------
-    def _spill(self, namespace: Hashable, token_ids: Sequence[int], start: int, slots: torch.Tensor) -> None:
+    def _spill(self, namespace: Hashable, token_ids: Sequence[int], start: int, slots: torch.Tensor,
+               also_cut_at: int | None = None) -> None:
         """The radix tree's eviction hook: the evicted leaf (positions start..end of `token_ids`,
-        K/V in `slots`) as exact entries cut at every multiple of TIER_CHUNK_TOKENS, the K/V of
-        those the tier does not hold yet copied out now (the slots are freed right after) and
-        written later. An entry serves a match only up to its end, so the cuts let a later prompt
-        that stops inside the leaf (the same prompt without the reply it got) load all but its last
-        partial chunk."""
+        K/V in `slots`) as exact entries cut at every multiple of TIER_CHUNK_TOKENS (and at
+        `also_cut_at`), the K/V of those the tier does not hold yet copied out now (the slots are
+        freed right after) and written later. An entry serves a match only up to its end, so the
+        cuts let a later prompt that stops inside the leaf (the same prompt without the reply it
+        got) load all but its last partial chunk."""
         ids = torch.as_tensor(token_ids, dtype=torch.int64)
         name = namespace_name(namespace)
-        cuts = [start, *range((start // TIER_CHUNK_TOKENS + 1) * TIER_CHUNK_TOKENS, len(ids), TIER_CHUNK_TOKENS), len(ids)]
+        cuts = {start, *range((start // TIER_CHUNK_TOKENS + 1) * TIER_CHUNK_TOKENS, len(ids), TIER_CHUNK_TOKENS), len(ids)}
+        if also_cut_at is not None and start < also_cut_at < len(ids):
+            cuts.add(also_cut_at)
+        cuts = sorted(cuts)
         hasher = PrefixHasher().update(ids[:start])
         for lo, hi in zip(cuts, cuts[1:]):
             key = EntryKey(name, hasher.update(ids[lo:hi]).hexdigest())
             if not self.tier.contains(key):
                 self.tier.put(TierEntry(key, ids[:hi], lo, kv_from_pool(self.pool, slots[lo - start: hi - start])))
 
-    def _write_through(self, namespace: Hashable, ids: Sequence[int], slots: torch.Tensor) -> None:
+    def _write_through(self, namespace: Hashable, ids: Sequence[int], slots: torch.Tensor, prompt_len: int) -> None:
         """A finished request's exact K/V (`ids`, in `slots`) into the tier as well as the radix
         tree, so that a SIGKILL loses no more than the turns in flight: the pieces of the spill's
-        cuts the tier does not hold yet (an earlier turn's are skipped by key, with no copy)."""
+        cuts the tier does not hold yet (an earlier turn's are skipped by key, with no copy), with
+        one more cut at the prompt's end. The next turn of a chat resends this prompt but not the
+        reply's exact tokens (a client re-renders it), so that cut is where it diverges."""
         if len(ids):
-            self._spill(namespace, ids, 0, slots)
+            self._spill(namespace, ids, 0, slots, also_cut_at=prompt_len)
 
     def prefetch(self, req: Req) -> None:
         """Start reading the tier entries that continue `req`'s prompt beyond what the radix tree
@@ -353,7 +359,7 @@ class CacheManager:
         if cache and self.prefix_cache and kv_len > 0:
             n_present = self.radix.insert(ids, req.seq_slots[:exact_len], req.namespace)
             if self.tier is not None:
-                self._write_through(req.namespace, ids, req.seq_slots[:exact_len])
+                self._write_through(req.namespace, ids, req.seq_slots[:exact_len], len(req.prompt_ids))
             dup_end = max(n_present, req.owned_from)
             self.allocator.free(req.seq_slots[req.owned_from: dup_end])
             leftover = req.seq_slots[max(exact_len, req.owned_from): kv_len].clone()

@@ -90,22 +90,24 @@ def test_a_new_engine_on_the_same_directory_serves_from_it(model_dir, tmp_path):
 
 def test_a_finished_request_is_written_through_without_any_eviction(model_dir, tmp_path):
     """What a SIGKILL leaves: the K/V of finished requests is on disk although the pool evicted
-    nothing, in 128-token pieces that a second turn (the same prefix) does not write again."""
+    nothing, in 128-token pieces plus one ending at the prompt's end (where the next turn, which
+    does not resend the reply's tokens, diverges); a second turn writes only its new pieces."""
     prompt = prompt_ids(300, seed=5)
     first = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096)
     first.generate([prompt], GREEDY)
     first.engine.cache.tier.wait_writes()
     stats = first.engine.cache.tier.stats()
-    assert stats.writes == 3 and stats.evictions == 0                  # [0, 128), [128, 256), [256, 305)
+    assert stats.writes == 4 and stats.evictions == 0          # [0, 128) [128, 256) [256, 300) [300, 305)
     [again] = first.generate([prompt + prompt_ids(20, seed=6)], GREEDY)
     assert again.reuse.prefix_tokens == len(prompt)
     first.engine.cache.tier.wait_writes()
-    assert first.engine.cache.tier.stats().writes == 3 + 1             # only the new last piece
+    assert first.engine.cache.tier.stats().writes == 4 + 2     # [256, 320) [320, 325)
     first.engine.close()
     restarted = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096)
-    [served] = restarted.generate([prompt], GREEDY)
-    assert served.reuse.disk_tokens == 256
-    assert_same_output(served, cold(model_dir, prompt))
+    next_turn = prompt + prompt_ids(30, seed=9)
+    [served] = restarted.generate([next_turn], GREEDY)
+    assert served.reuse.disk_tokens == len(prompt)
+    assert_same_output(served, cold(model_dir, next_turn))
     restarted.engine.check_integrity()
     restarted.engine.close()
 
