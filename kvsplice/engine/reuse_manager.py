@@ -24,9 +24,10 @@ exception once slots are taken (allocation, relocation) propagates: the engine f
 and frees what it holds. A request for
 prompt logprobs computes every position (fallback "prompt_logprobs") but still updates its session.
 
-Disk tier (when the engine has one): an idle session that a client named, dropped for room, puts
-its private K/V into the tier (an approximate entry only its id loads); a request naming a session
-that is gone restores it from there before matching (`_restore_session`).
+Disk tier (when the engine has one): a session that a client named puts its private K/V into the
+tier (an approximate entry only its id loads) after every turn, and when it is dropped for room if
+the tier holds none of it; a request naming a session that is gone (dropped, or lost with a restart)
+restores it from there before matching (`_restore_session`).
 
 Selective recompute (attention-only models; see kvsplice.reuse.recompute): after relocation the
 first `seam_tokens` of every span and the message openings inside the edited spans are added to the
@@ -396,8 +397,10 @@ class ReuseManager:
             # the approximate ones, after the first relocated token, stay the session's own
             self.cache.checkpoint_exact_states(ids, req.namespace, states, exact_len)
             states = {length: slot for length, slot in states.items() if length > exact_len}
-        self._replace_session_kv(self._session_to_update(req, scr), ids, exact_len, private, states,
+        session = self._session_to_update(req, scr)
+        self._replace_session_kv(session, ids, exact_len, private, states,
                                  prompt_len=min(len(req.prompt_ids), len(ids)))
+        self._spill_session(session)            # written through: a SIGKILL keeps the session
         self.forget(req)
         self._cap_states()
 
@@ -482,22 +485,27 @@ class ReuseManager:
             return False
         victim = min(idle, key=lambda s: s.last_used)
         self.sessions.remove(victim)
-        self._spill_session(victim)
+        self._spill_session(victim, replace=False)
         self._free_payload(victim)
         self.sessions_evicted_for_memory += 1
         return True
 
     # ----- sessions in the disk tier ----------------------------------------------------
-    def _spill_session(self, session: Session) -> None:
-        """A session dropped for memory that a client named and that holds private (approximate)
-        K/V: that K/V goes to the disk tier as an entry only this session id loads back
-        (`_restore_session`); its exact part is in the radix tree, which spills it on eviction."""
+    def _spill_session(self, session: Session, replace: bool = True) -> None:
+        """A session that a client named and that holds private (approximate) K/V, as it takes a
+        finished turn (written through) or is dropped for memory (`replace=False`: only when the
+        tier has no entry of it yet, as it has after a turn's write): that K/V goes to the disk
+        tier as an entry only this session id loads back (`_restore_session`); its exact part is
+        in the radix tree and the tier's exact entries. An entry left older than the session (its
+        write dropped) is still consistent: its token ids are those of its K/V."""
         kv, tier = session.payload, self.cache.tier
         if tier is None or not session.named or kv is None or kv.states or not kv.private_slots.numel():
             return
+        key = EntryKey.for_session(namespace_name(session.namespace), session.session_id)
+        if not replace and tier.contains(key):
+            return
         exact = int(kv.exact_slots.numel())
         ids = torch.tensor(session.token_ids[: exact + int(kv.private_slots.numel())], dtype=torch.int64)
-        key = EntryKey.for_session(namespace_name(session.namespace), session.session_id)
         tier.put(TierEntry(key, ids, exact, kv_from_pool(self.cache.pool, kv.private_slots), exact=False,
                            session_id=session.session_id))
 

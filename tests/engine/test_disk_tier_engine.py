@@ -217,6 +217,27 @@ def test_a_named_session_dropped_for_memory_comes_back_from_the_tier(model_dir, 
     llm.engine.close()
 
 
+def test_a_named_session_survives_a_restart_without_any_eviction(model_dir, tmp_path):
+    """Written through after its turn: a new engine on the directory restores the session (its
+    relocated K/V) by its id, and the next edited turn relocates from it."""
+    first = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096, max_batch_tokens=64)
+    head, rest = prompt_ids(40, seed=30), prompt_ids(100, seed=31)
+    first.generate([head + prompt_ids(6, seed=32) + rest], GREEDY, session_id="s1")
+    edited = head + prompt_ids(4, seed=33) + rest
+    [second] = first.generate([edited], GREEDY, session_id="s1")
+    assert second.reuse.relocated_tokens > 0
+    assert first.engine.reuse.sessions_evicted_for_memory == 0
+    first.engine.close()
+    restarted = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096, max_batch_tokens=64)
+    third_prompt = prompt_ids(3, seed=35) + edited[3:] + second.token_ids + prompt_ids(5, seed=34)
+    [third] = restarted.generate([third_prompt], GREEDY, session_id="s1")
+    assert restarted.engine.reuse.sessions_restored == 1
+    third.reuse.check(len(third_prompt))
+    assert third.reuse.session == "matched" and third.reuse.relocated_tokens > 0
+    restarted.engine.check_integrity()
+    restarted.engine.close()
+
+
 def test_a_full_disk_costs_reuse_never_a_reply(model_dir, tmp_path):
     """ENOSPC on every write once serving: each is counted and dropped, and the prompts evicted
     meanwhile are recomputed with the cold output."""
