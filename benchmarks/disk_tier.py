@@ -45,6 +45,7 @@ from kvsplice.models.default_model import resolve_model
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.server.api import ServerSettings
 from kvsplice.server.launch import ServerThread, build_app
+from kvsplice.server.request_log import RequestLog
 
 
 def model_identity(model: str | None, dtype: torch.dtype) -> TierIdentity:
@@ -136,7 +137,8 @@ def measure_decode(args, tier_dir: str | None) -> tuple[list[float], int, str]:
     tier = DiskTierConfig.from_gb(tier_dir, 4.0, write_queue_size=4096) if tier_dir else None
     config = EngineConfig(model=args.model, dtype=args.dtype, num_slots=4 * args.flood_tokens + args.stream_tokens + 64,
                           disk_tier=tier)
-    app = build_app(config, ServerSettings(model_path=args.model))
+    quiet = open(os.devnull, "w")                               # no request log lines in the output
+    app = build_app(config, ServerSettings(model_path=args.model), RequestLog(quiet))
     server = ServerThread(app)
     server.start(timeout_s=300)
     stop, counts = threading.Event(), [0]
@@ -152,6 +154,7 @@ def measure_decode(args, tier_dir: str | None) -> tuple[list[float], int, str]:
     finally:
         stop.set()
         server.stop()
+        quiet.close()
     engine = app.state.kvsplice.engine
     line = ""
     if engine.cache.tier is not None:

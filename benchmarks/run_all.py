@@ -90,12 +90,13 @@ BENCHMARKS = (
               "a stamp changed), against hashing every file and against loading the model.",
               "The model cache at start: no serving setting enters; `build_engine` loads at float32.",
               (r"^check", r"^(full|sha256|build|first|zeroed)")),
-    Benchmark("disk_tier", "Disk tier: a 4K-token history loaded against prefilled", "disk tier",
-              "python benchmarks/disk_tier.py",
-              "One 4,096-token entry of the default model's K/V shape written, then loaded into the pool (page "
-              "cache warm, and with the file's pages dropped), against prefilling the same tokens.",
-              "`--dtype auto` (bf16 on this CPU), `--weight-format auto`.",
-              (r"^\d+ layers", r"^\s+wall", r"^(write|load|prefill)")),
+    Benchmark("disk_tier", "Disk tier", "disk tier",
+              "python benchmarks/disk_tier.py; python benchmarks/tier_restart.py; "
+              "python benchmarks/hit_rate_sweep.py --tier-compare --counts 32 --num-slots 2000 --min-tokens 250 "
+              "--max-tokens 500 --turns 3 --max-output-tokens 8 --dtype auto",
+              "Goals: 4K load >= 20x prefill, decode p99 <= 1.2x, 90% reuse after SIGKILL, 4/32 pool <= 1.2x.",
+              "`--dtype auto`, load 5-19.",
+              (r"^load warm", r"^(after|replies)", r"^small pool, no tier,", r"^small pool \+ disk tier,")),
     Benchmark("match_cost", "Session matching at scale: 1,000 sessions, 8K and 128K prompts", "session matching",
               "python benchmarks/match_cost.py",
               "Session matching without ids among 1,000 tracked sessions sharing a 2K-token system prompt: "

@@ -1,6 +1,6 @@
 """Sessions across a SIGKILL, and tier files gone bad: what comes back from the disk tier.
 
-    python benchmarks/tier_restart.py [--conversations 16] [--dtype float32] [--dir /var/tmp]
+    python benchmarks/tier_restart.py [--conversations 12] [--dtype float32] [--dir /var/tmp]
 
 One `kvsplice serve --kv-disk-dir DIR` (a subprocess) runs the first two turns of every synthetic
 agent conversation (session ids sent, 4 at a time); once the tier has written what they left (a
@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--min-tokens", type=int, default=400)
     parser.add_argument("--max-tokens", type=int, default=900)
     parser.add_argument("--dir", default="/var/tmp")
