@@ -130,7 +130,8 @@ class Engine:
         self.placement = (OneForward(self.scheduler.budget, config.max_batch_tokens) if self.lane is None
                           else BesideLane(self.lane, config.max_batch_tokens))
         self._lane_outputs: list[RequestOutput] = []   # of a job taken back between steps
-        self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
+        self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids,
+                                     compile_timeout_s=config.grammar_compile_timeout)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
