@@ -12,10 +12,11 @@ Engine flags are built from EngineConfig's fields (ENGINE_FLAGS: type and defaul
 SCR flags from `kvsplice.reuse.config.ENV_TABLE`, for the few settings a user tunes (SCR_FLAG_FIELDS).
 The other SCR settings (session-matching heuristics, diff chunking, hybrid-model state, control
 experiments) are set through their KVREUSE_* variables; their old flags still work, hidden, with a
-one-line deprecation warning, as do `--no-scr` and `--model-path`. `--decode-arena-tokens` and
-`--num-state-slots` work but are not listed by --help (rarely tuned; docs/SERVING.md lists them). Precedence for SCR settings:
+one-line deprecation warning, as do `--no-scr` and `--model-path`. `--decode-arena-tokens`,
+`--num-state-slots`, `--tenant-kv-share`, `--grammar-compile-timeout`, `--min-prefill-tokens` and
+`--admin-api-key` work but are not listed by --help (rarely tuned; docs/SERVING.md lists them). Precedence for SCR settings:
 command-line flag > KVREUSE_* environment variable > default; API keys: `--api-key` flags >
-KVSPLICE_API_KEY (comma-separated). Bad input exits with status 2 and a message saying what is wrong.
+KVSPLICE_API_KEY (comma-separated), `--admin-api-key` > KVSPLICE_ADMIN_API_KEY. Bad input exits with status 2 and a message saying what is wrong.
 """
 
 from __future__ import annotations
@@ -128,11 +129,16 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "0 = off", hidden=True),
     EngineFlag("num_state_slots", CACHE, "recurrent-state slots of a hybrid model (default from --max-running)",
                hidden=True),
+    EngineFlag("tenant_kv_share", CACHE, "share (0, 1] of the pool's slots and the disk tier's bytes one cache "
+               "namespace (API key + cache_salt) holds before its own least recently used K/V is evicted first",
+               hidden=True),
     EngineFlag("max_batch_tokens", SCHEDULER, "token budget of one forward (the chunked-prefill size)"),
     EngineFlag("max_running", SCHEDULER, "requests decoding at once"),
     EngineFlag("max_waiting", SCHEDULER, "queue length beyond which requests get 503"),
     EngineFlag("step_budget_ratio", SCHEDULER, "without a prefill lane, while requests decode, size each step's "
                "prefill share so that the step takes about this many times a decode-only step"),
+    EngineFlag("grammar_compile_timeout", SCHEDULER, "seconds a structured-output constraint may take to compile "
+               "before its request is refused with a 400", hidden=True),
     EngineFlag("min_prefill_tokens", SCHEDULER, "prefill tokens every step carries at least, so prefill always "
                "progresses", hidden=True),
     EngineFlag("decode_threads", SCHEDULER, "intra-op threads of steps with decode rows: N, or auto (every "
@@ -324,7 +330,10 @@ def add_server_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--api-key", action="append", dest="api_keys", default=None, metavar="KEY",
                        help="accept requests with `Authorization: Bearer KEY` only (every route but the health "
                             "probes, /metrics and /get_load); repeat for several tenants, each with its own cache "
-                            "namespace [env KVSPLICE_API_KEY, comma-separated; prefer it: flags show in ps]")
+                            "namespace [env KVSPLICE_API_KEY, comma-separated; prefer it: flags show in ps]; "
+                            "POST /flush_cache then flushes the caller's own cache, all of it with the operator "
+                            "key --admin-api-key KEY [env KVSPLICE_ADMIN_API_KEY]")
+    group.add_argument("--admin-api-key", default=None, metavar="KEY", help=argparse.SUPPRESS)
     group.add_argument("--expose-model-path", action="store_true",
                        help="show the model's filesystem path in /get_server_info, /get_model_info and /v1/models "
                             "(by default they show the served model name)")
@@ -391,9 +400,9 @@ def _serve(args: argparse.Namespace) -> int:
     names = check_served_names(args.served_model_name) if args.served_model_name is not None else ()
     limits = request_limits_from_args(args)
     try:
-        api_keys = ApiKeys.from_sources(args.api_keys, os.environ)
+        api_keys = ApiKeys.from_sources(args.api_keys, os.environ, args.admin_api_key)
     except ValueError as exc:
-        raise ValueError(f"--api-key / KVSPLICE_API_KEY: {exc}") from None
+        raise ValueError(f"--api-key / --admin-api-key / KVSPLICE_API_KEY / KVSPLICE_ADMIN_API_KEY: {exc}") from None
     settings = ServerSettings(model_path=args.model, served_model_names=names, replica_name=args.replica_name,
                               reasoning_parser=args.reasoning_parser, host=args.host, port=args.port,
                               api_keys=api_keys, limits=limits, expose_model_path=args.expose_model_path,

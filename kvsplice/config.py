@@ -58,6 +58,11 @@ class EngineConfig:
     disk_tier: where the K/V the pool evicts goes instead of being dropped, and from where a later
         prefix match loads it (`kvsplice.cache.disk_tier`; `--kv-disk-dir`, `--kv-disk-gb`); None:
         no disk tier. Attention-only models (a hybrid's states are not stored: ignored there).
+    tenant_kv_share: the share (0, 1] of the pool's slots, and of the disk tier's bytes, one cache
+        namespace (API-key tenant + cache_salt) may hold in cached K/V before eviction takes its
+        own least recently used entries first (`kvsplice.cache.tenant_share`); 1: plain LRU.
+    grammar_compile_timeout: seconds a structured-output constraint (schema, regex, EBNF, forced
+        tool call) may take to compile before the request is refused (`kvsplice.structured.grammar`).
     """
 
     model: str | None = None
@@ -80,6 +85,8 @@ class EngineConfig:
     prefill_lane_threads: int = 0
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
     disk_tier: DiskTierConfig | None = None
+    tenant_kv_share: float = 1.0
+    grammar_compile_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if isinstance(self.compile_decode, bool):
@@ -103,5 +110,9 @@ class EngineConfig:
             raise ValueError(f"decode_threads must be in [1, 1024], got {self.decode_threads}")
         if not 0 <= self.prefill_lane_threads <= 1024:
             raise ValueError(f"prefill_lane_threads must be in [0, 1024], got {self.prefill_lane_threads}")
+        if not 0.0 < self.tenant_kv_share <= 1.0:
+            raise ValueError(f"tenant_kv_share must be in (0, 1], got {self.tenant_kv_share}")
+        if not 0.0 < self.grammar_compile_timeout <= 3600.0:
+            raise ValueError(f"grammar_compile_timeout must be in (0, 3600] seconds, got {self.grammar_compile_timeout}")
         if not 1 <= self.min_prefill_tokens <= 1 << 20:
             raise ValueError(f"min_prefill_tokens must be in [1, 2^20], got {self.min_prefill_tokens}")

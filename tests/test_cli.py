@@ -193,3 +193,14 @@ def test_serve_subprocess_prints_start_line_and_serves(tiny_dir):
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_tenant_share_grammar_timeout_and_admin_key_flags():
+    args = _serve_args("--tenant-kv-share", "0.25", "--grammar-compile-timeout", "2.5", "--admin-api-key", "op-key")
+    config = engine_config_from_args(args, {})
+    assert config.tenant_kv_share == 0.25 and config.grammar_compile_timeout == 2.5
+    assert args.admin_api_key == "op-key"
+    assert engine_config_from_args(_serve_args(), {}).grammar_compile_timeout == 5.0
+    for bad in ("0", "1.5"):
+        with pytest.raises(ValueError, match="tenant_kv_share"):
+            engine_config_from_args(_serve_args("--tenant-kv-share", bad), {})

@@ -345,6 +345,11 @@ class DiskTier:
         with self._lock:
             return self._namespace_bytes.get(namespace, 0)
 
+    def namespaces(self) -> list[str]:
+        """Namespaces holding stored entries or writes in flight."""
+        with self._lock:
+            return list(self._namespace_bytes)
+
     def lru_keys(self) -> list[EntryKey]:
         """Stored keys, least recently used first."""
         with self._lock:

@@ -18,6 +18,9 @@ Spilling: a tree built with `on_evict` hands every leaf that `evict` takes (pool
 before the leaf's slots are freed, as (namespace, token ids from position 0 to the leaf's end, the
 leaf's first position, the leaf's slots): the engine copies that K/V out to the disk tier
 (`kvsplice.cache.disk_tier`). `reset` (a flush) drops leaves without handing them over.
+
+Tenant share: a tree built with a `TenantShare` evicts the least recently used leaves of namespaces
+holding more than their cap first, then plain LRU (`kvsplice.cache.tenant_share`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Callable, Hashable, Iterator, Optional, Sequence
 import torch
 
 from kvsplice.cache.checkpoint_policy import CheckpointCandidate, least_useful
+from kvsplice.cache.tenant_share import TenantShare
 
 TokenKey = tuple[int, ...]
 # on_evict(namespace, token ids from position 0 to the leaf's end, the leaf's start, its slots)
@@ -124,11 +128,15 @@ class RadixCache:
     operation, so `evict` never walks the whole tree.
     """
 
-    def __init__(self, allocator, state_allocator=None, on_evict: EvictionHook | None = None):
+    def __init__(self, allocator, state_allocator=None, on_evict: EvictionHook | None = None,
+                 share: TenantShare | None = None):
         """`allocator` is a `SlotAllocator`; the tree frees evicted slots through it.
         `state_allocator` (hybrid models) is the StatePool's; evicted checkpoints go back to it.
-        `on_evict`: sees each leaf `evict` takes, before its slots are freed (see the module doc)."""
+        `on_evict`: sees each leaf `evict` takes, before its slots are freed (see the module doc).
+        `share`: the most one namespace holds before its leaves are evicted first (None: plain LRU)."""
         self.allocator = allocator
+        self.share = share
+        self._namespace_sizes: dict[Hashable, int] = {}
         self.on_evict = on_evict
         self.state_allocator = state_allocator
         self._checkpoint_nodes: set[TreeNode] = set()
@@ -318,19 +326,45 @@ class RadixCache:
     def evict(self, num_tokens: int, spill: bool = True) -> int:
         """Evict least-recently-used unlocked leaves until `num_tokens` slots are freed.
 
-        A whole leaf goes at a time, so more than `num_tokens` may be freed; a parent that becomes
-        an unlocked leaf is a candidate in the same call. Stops early when nothing is evictable.
-        Side effects: hands each leaf to `on_evict` first (with `spill`, when there is one); frees
-        the evicted slots through `allocator.free`; drops emptied namespace roots. Returns the
-        number of slots freed. Raises `ValueError` if `num_tokens < 0`.
+        With a `share`, leaves of namespaces over their cap go first (`evict_over_share`), then
+        anyone's. A whole leaf goes at a time, so more than `num_tokens` may be freed; a parent that
+        becomes an unlocked leaf is a candidate in the same call. Stops early when nothing is
+        evictable. Side effects: hands each leaf to `on_evict` first (with `spill`, when there is
+        one); frees the evicted slots through `allocator.free`; drops emptied namespace roots.
+        Returns the number of slots freed. Raises `ValueError` if `num_tokens < 0`.
         """
         if num_tokens < 0:
             raise ValueError(f"cannot evict {num_tokens} tokens")
-        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves]
+        freed = self.evict_over_share(num_tokens, spill)
+        return freed + self._evict_lru(num_tokens - freed, spill, lambda namespace: True)
+
+    def evict_over_share(self, num_tokens: int, spill: bool = True) -> int:
+        """Phase 1 of `evict` alone: least recently used unlocked leaves of namespaces holding more
+        than the share's cap, re-checked after each leaf, until `num_tokens` slots are freed or no
+        such leaf is left. Returns the number freed (0 without a share)."""
+        if self.share is None or not self.share.enabled or num_tokens <= 0:
+            return 0
+        return self._evict_lru(num_tokens, spill, self.over_share)
+
+    def over_share(self, namespace: Hashable) -> bool:
+        """Whether `namespace` holds more slots than the share's cap (False without a share)."""
+        return self.share is not None and self.share.is_over(self.namespace_size(namespace))
+
+    def namespace_size(self, namespace: Hashable) -> int:
+        """Slots held by `namespace`'s nodes, locked or not."""
+        return self._namespace_sizes.get(namespace, 0)
+
+    def _evict_lru(self, num_tokens: int, spill: bool, eligible: Callable[[Hashable], bool]) -> int:
+        """Evict least recently used unlocked leaves whose namespace is `eligible` (asked again as
+        each leaf comes up) until `num_tokens` slots are freed; returns the number freed."""
+        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves
+                if eligible(leaf.namespace)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
+            if not eligible(leaf.namespace):
+                continue
             parent = leaf.parent
             if spill and self.on_evict is not None:
                 path_ids = self.path_ids(leaf)
@@ -340,13 +374,15 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
 
-    def reset(self) -> int:
-        """Free every unlocked node (for /flush_cache); locked paths stay. Returns slots freed.
+    def reset(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:
+        """Free every unlocked node (for /flush_cache), or only those of the namespaces for which
+        `namespaces(namespace)` is true (a tenant's own flush); locked paths stay. Nothing is
+        handed to `on_evict`. Returns slots freed.
 
         Every unlocked node eventually becomes an unlocked leaf (a lock covers all ancestors, so no
         unlocked node has a locked descendant), hence this empties all but the locked paths.
         """
-        return self.evict(self._evictable_size, spill=False)
+        return self._evict_lru(self._evictable_size, False, namespaces or (lambda namespace: True))
 
     @staticmethod
     def path_ids(node: TreeNode) -> TokenKey:
@@ -390,12 +426,15 @@ class RadixCache:
 
         Checks: parent/child links and child keys, one slot per token, no slot held twice, every
         held slot allocated, no empty registered root, a child never more locked than its parent,
-        evictable/protected sizes and the evictable-leaf set equal to a full recount.
+        evictable/protected sizes, per-namespace sizes and the evictable-leaf set equal to a full
+        recount.
         """
         evictable, protected, leaves, seen_slots, checkpoints = 0, 0, set(), set(), set()
+        sizes: dict[Hashable, int] = {}
         for namespace, root in self._roots.items():
             assert root.is_root and root.namespace == namespace and root.children, "bad root"
             for _, node in self._iter_subtree(root):
+                sizes[namespace] = sizes.get(namespace, 0) + len(node)
                 self._check_node(node, namespace)
                 node_slots = node.slots.tolist()
                 assert seen_slots.isdisjoint(node_slots), f"a slot is held twice ({node!r})"
@@ -414,6 +453,7 @@ class RadixCache:
         assert evictable == self._evictable_size, f"evictable {self._evictable_size} != {evictable}"
         assert protected == self._protected_size, f"protected {self._protected_size} != {protected}"
         assert leaves == self._evictable_leaves, "evictable-leaf set out of date"
+        assert sizes == self._namespace_sizes, f"namespace sizes {self._namespace_sizes} != {sizes}"
         assert checkpoints == self._checkpoint_nodes, (
             f"checkpoints {len(self._checkpoint_nodes)} != {len(checkpoints)} found in the tree")
 
@@ -474,6 +514,7 @@ class RadixCache:
         self._evictable_leaves.discard(parent)
         self._evictable_leaves.add(leaf)
         self._evictable_size += len(leaf)
+        self._namespace_sizes[leaf.namespace] = self.namespace_size(leaf.namespace) + len(leaf)
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
         """Detach an unlocked leaf and free its slots; return how many were freed.
@@ -488,6 +529,9 @@ class RadixCache:
         del parent.children[leaf.key[0]]
         self._evictable_leaves.discard(leaf)
         self._evictable_size -= len(leaf)
+        remaining = self._namespace_sizes.pop(leaf.namespace) - len(leaf)
+        if remaining:
+            self._namespace_sizes[leaf.namespace] = remaining
         leaf.parent = None  # detached: `_check_attached` rejects it from now on
         if parent.is_root:
             if not parent.children and self._roots.get(parent.namespace) is parent:

@@ -42,6 +42,10 @@ request (and any later one) hits them:
 
 A load that misses (a file gone bad, a namespace flushed) stops there: the rest is prefilled. The
 reads start when the request is queued (`prefetch`) and are collected at admission.
+
+Tenant share (`kvsplice.cache.tenant_share`): room for an allocation is made first from the
+namespaces over their share (their radix leaves, then their idle SCR sessions through
+`release_over_share`, then their leaves again), and only then by plain LRU.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -58,8 +62,9 @@ from kvsplice.cache.disk_tier import DiskTier, DiskTierConfig, kv_from_pool, kv_
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.radix import PrefixMatch, RadixCache
 from kvsplice.cache.state_pool import StatePool
+from kvsplice.cache.tenant_share import TenantShare
 from kvsplice.cache.tier_format import EntryKey, PrefixHasher, TierEntry, TierIdentity, namespace_name
-from kvsplice.engine.request import Req, StateReuse
+from kvsplice.engine.request import Namespace, Req, StateReuse
 
 logger = logging.getLogger(__name__)
 WEIGHT_SAMPLE = 4096   # elements of each weight hashed into the disk tier's model identity
@@ -71,11 +76,14 @@ def open_disk_tier(tier_config: DiskTierConfig | None, model: torch.nn.Module, m
     """The disk tier of `tier_config` for this model (None without one). Its identity names the
     weights by a hash of every parameter's name, shape and a strided sample of its values, with the
     dtype, weight format, fast-path setting and the model config: entries written by any other
-    model or setting are discarded at start, never loaded. None on a hybrid model too (a prefix's
+    model or setting are discarded at start, never loaded. Its per-namespace share is at most the
+    engine's `tenant_kv_share`. None on a hybrid model too (a prefix's
     K/V is of no use there without the linear layers' state, which the tier does not get yet).
     Raises DiskTierError when the directory cannot be used."""
     if tier_config is None:
         return None
+    share = min(tier_config.namespace_share, engine_config.tenant_kv_share)
+    tier_config = dataclasses.replace(tier_config, namespace_share=share)
     if model_config.is_hybrid:
         logger.warning("the KV disk tier %s is not used: %s is a hybrid model", tier_config.dir,
                        model_config.model_type)
@@ -91,28 +99,53 @@ def open_disk_tier(tier_config: DiskTierConfig | None, model: torch.nn.Module, m
     return DiskTier(tier_config, identity)
 
 
+def owned_by(namespace: Hashable, owner: str) -> bool:
+    """Whether a cache namespace (the engine's `Namespace(owner, cache_salt)`) belongs to `owner`."""
+    return isinstance(namespace, Namespace) and namespace.owner == owner
+
+
+def tier_prefix_of_owner(owner: str) -> str:
+    """How the disk tier's name of every namespace of `owner` starts: `namespace_name` is the repr
+    of the Namespace, `Namespace(owner='<owner>', cache_salt=...)` (the owner quoted, so no other
+    owner's names start the same way)."""
+    return namespace_name(Namespace(owner, None)).removesuffix("None)")
+
+
 class CacheManager:
     """Slot ownership for requests. `prefix_cache=False` turns the radix tree into a null cache
     (nothing matched, nothing inserted) without the scheduler testing a flag. `tier`: the disk
-    tier evicted prefixes go to and are loaded from (None: evicted K/V is dropped)."""
+    tier evicted prefixes go to and are loaded from (None: evicted K/V is dropped). `tenant_share`:
+    the share of the pool one namespace may hold before its entries are evicted first.
+
+    `release_over_share`: set by the owner of the SCR sessions (the ReuseManager); drops one idle
+    session of a namespace over its share and says whether it did (`alloc` calls it before
+    evicting anyone else's K/V)."""
 
     def __init__(self, pool: KVPool, prefix_cache: bool = True, states: StatePool | None = None,
-                 policy: CheckpointPolicy | None = None, tier: DiskTier | None = None):
+                 policy: CheckpointPolicy | None = None, tier: DiskTier | None = None,
+                 tenant_share: float = 1.0):
         self.pool = pool
         self.allocator = pool.allocator
         self.states = states
         self.policy = policy or CheckpointPolicy()
         self.tier = tier if prefix_cache else None
         self.radix = RadixCache(self.allocator, states.allocator if states is not None else None,
-                                on_evict=self._spill if self.tier is not None else None)
+                                on_evict=self._spill if self.tier is not None else None,
+                                share=TenantShare(pool.num_slots, tenant_share))
         self.prefix_cache = prefix_cache
+        self.release_over_share: Callable[[], bool] = lambda: False
 
     # ----- allocation -------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor | None:
-        """`n` fresh slots, evicting unlocked radix leaves once if needed; None if still short."""
+        """`n` fresh slots, evicting unlocked radix leaves if needed (over-share namespaces' first,
+        their idle sessions dropped, then anyone's); None if still short."""
         slots = self.allocator.alloc(n)
         if slots is None:
-            self.radix.evict(n - self.allocator.num_free)
+            self.radix.evict_over_share(n - self.allocator.num_free)
+            while self.allocator.num_free < n and self.release_over_share():
+                self.radix.evict_over_share(n - self.allocator.num_free)
+            if self.allocator.num_free < n:
+                self.radix.evict(n - self.allocator.num_free)
             slots = self.allocator.alloc(n)
         return slots
 
@@ -236,6 +269,23 @@ class CacheManager:
         self.allocator.free(slots[: max(0, n_present - match.length)])   # none: the path is locked
         self.radix.unlock(match.node)
         return self.radix.match_prefix(ids, namespace)
+
+    # ----- flushes ------------------------------------------------------------------------
+    def flush(self, owner: str | None = None) -> None:
+        """Drop every unlocked radix entry and every disk tier entry; with `owner`, only those of
+        that tenant's namespaces (each of its cache_salts). Locked paths (running requests, SCR
+        sessions) stay; release idle sessions first to drop theirs."""
+        if owner is None:
+            self.radix.reset()
+            if self.tier is not None:
+                self.tier.flush()
+            return
+        self.radix.reset(lambda namespace: owned_by(namespace, owner))
+        if self.tier is not None:
+            prefix = tier_prefix_of_owner(owner)
+            for name in self.tier.namespaces():
+                if name.startswith(prefix):
+                    self.tier.flush(name)
 
     # ----- linear-layer states (hybrid models) --------------------------------------------
     def admit_state(self, req: Req, match: PrefixMatch) -> bool:

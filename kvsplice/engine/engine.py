@@ -35,7 +35,7 @@ from kvsplice.cache.checkpoint_policy import check_message_offsets
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
-from kvsplice.engine.cache_manager import CacheManager, open_disk_tier
+from kvsplice.engine.cache_manager import CacheManager, open_disk_tier, owned_by
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
 from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.prefill_lane import PrefillLane
@@ -115,7 +115,8 @@ class Engine:
             states = StatePool(config.num_state_slots or default_state_slots(config), model_config.num_linear_layers,
                                model_config.linear_attn, dtype=dtype, device=config.device)
         tier = open_disk_tier(config.disk_tier, model, model_config, dtype, config)
-        self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints(), tier)
+        self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints(), tier,
+                                  tenant_share=config.tenant_kv_share)
         self.failpoints = failpoints
         self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
                                   failpoints=failpoints, message_starts=MessageStarts(tokenizer))
@@ -129,7 +130,8 @@ class Engine:
         self.placement = (OneForward(self.scheduler.budget, config.max_batch_tokens) if self.lane is None
                           else BesideLane(self.lane, config.max_batch_tokens))
         self._lane_outputs: list[RequestOutput] = []   # of a job taken back between steps
-        self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
+        self.grammars = GrammarCache(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids,
+                                     compile_timeout_s=config.grammar_compile_timeout)
         self.counters = EngineCounters()
         self._reqs: dict[str, Req] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -477,10 +479,12 @@ class Engine:
         if self.cache.tier is not None:
             self.cache.tier.close()   # finishes the queued writes
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, owner: str | None = None) -> None:
         """Drop every unlocked radix entry and idle session (SGLang's /flush_cache), and every entry
-        of the disk tier."""
-        self.reuse.drop_idle_sessions()
-        self.cache.radix.reset()
-        if self.cache.tier is not None:
-            self.cache.tier.flush()
+        of the disk tier; with `owner`, only those of that tenant's namespaces (a tenant's own
+        flush: every cache_salt it used, nobody else's). Running requests keep their K/V."""
+        if owner is None:
+            self.reuse.drop_idle_sessions()
+        else:
+            self.reuse.drop_idle_sessions(lambda namespace: owned_by(namespace, owner))
+        self.cache.flush(owner)

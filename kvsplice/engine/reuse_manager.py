@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch
 
@@ -113,6 +114,7 @@ class ReuseManager:
         self.fallbacks: dict[str, int] = {}
         self.sessions_evicted_for_memory = 0
         self.sessions_restored = 0   # sessions whose private K/V came back from the disk tier
+        cache.release_over_share = self._drop_one_over_share_session
 
     def request_config(self, scr: str | dict | None, cache_salt: str | None) -> ScrRequest | None:
         """The request's SCR state, or None when SCR is off for it (globally, by its `scr`
@@ -479,16 +481,24 @@ class ReuseManager:
         for session in sessions:
             self._free_payload(session)
 
-    def _drop_one_idle_session(self) -> bool:
-        idle = [s for s in self.sessions.sessions() if s.inflight == 0 and s.payload is not None]
+    def _drop_one_idle_session(self, over_share_only: bool = False) -> bool:
+        """Drop the least recently used idle session holding K/V, one of a namespace over its
+        tenant share first (`kvsplice.cache.tenant_share`); with `over_share_only`, only such a
+        one. Its private K/V may go to the disk tier. False when there is none."""
+        over = self.cache.radix.over_share
+        idle = [s for s in self.sessions.sessions() if s.inflight == 0 and s.payload is not None
+                and (over(s.namespace) or not over_share_only)]
         if not idle:
             return False
-        victim = min(idle, key=lambda s: s.last_used)
+        victim = min(idle, key=lambda s: (not over(s.namespace), s.last_used))
         self.sessions.remove(victim)
         self._spill_session(victim, replace=False)
         self._free_payload(victim)
         self.sessions_evicted_for_memory += 1
         return True
+
+    def _drop_one_over_share_session(self) -> bool:
+        return self._drop_one_idle_session(over_share_only=True)
 
     # ----- sessions in the disk tier ----------------------------------------------------
     def _spill_session(self, session: Session, replace: bool = True) -> None:
@@ -554,7 +564,10 @@ class ReuseManager:
         """State slots held by SCR sessions (hybrid models)."""
         return sum(len(s.payload.states) for s in self.sessions.sessions() if s.payload is not None)
 
-    def drop_idle_sessions(self) -> None:
-        """Release every session without a request in flight."""
-        while self._drop_one_idle_session():
-            pass
+    def drop_idle_sessions(self, namespaces: Callable[[Hashable], bool] | None = None) -> None:
+        """Release every session without a request in flight (only those of the namespaces for
+        which `namespaces(namespace)` is true, when given). Nothing goes to the disk tier."""
+        for session in self.sessions.sessions():
+            if session.inflight == 0 and (namespaces is None or namespaces(session.namespace)):
+                self.sessions.remove(session)
+                self._free_payload(session)

@@ -13,6 +13,19 @@ never share a prefix, a session or relocated K/V. The presented key's SHA-256 is
 time (hmac.compare_digest) with every configured key's, so the time taken says nothing about which key
 nearly matched, nor about the keys' lengths.
 
+The operator key (`--admin-api-key`, KVSPLICE_ADMIN_API_KEY) is for the operator routes (POST /flush_cache):
+who may drop which cache (`flush_owner`):
+
+    admin key configured?  caller                     POST /flush_cache drops
+    yes                    the admin key              every tenant's cache (pool, sessions, disk tier)
+    yes                    a tenant key               that tenant's own (every cache_salt it used)
+    yes                    no key / a wrong key       nothing: 401
+    no, tenant keys only   a tenant key               that tenant's own
+    no key at all          anyone                     everything (no authentication, as before)
+
+The admin key is accepted on every other route too, as one more tenant (its own namespace). It is
+compared as the tenant keys are, in constant time.
+
 `owner_id` is a stable, non-secret name of a key (a prefix of its SHA-256), safe to keep in memory and
 logs; it is not a way back to the key as long as keys are long random strings.
 """
@@ -32,12 +45,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvsplice.server.errors import ApiError, error_body
 
 API_KEY_ENV = "KVSPLICE_API_KEY"
+ADMIN_KEY_ENV = "KVSPLICE_ADMIN_API_KEY"
 # Routes anyone may call: liveness / readiness probes (load balancers and sglang-router send no key
 # to them), Prometheus metrics and the router's load poll (aggregate numbers, open as in vLLM), and the
 # API's own description.
 OPEN_PATHS = frozenset({"/health", "/readiness", "/health_generate", "/metrics", "/get_load",
                         "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 OWNER_STATE_KEY = "kvsplice_owner"
+ADMIN_STATE_KEY = "kvsplice_admin"
 OWNER_ID_HEX_CHARS = 16
 
 
@@ -58,34 +73,43 @@ def parse_key_list(raw: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ApiKeys:
-    """The configured keys (none: authentication is off). The repr never shows a key."""
+    """The configured tenant keys (none: authentication is off) and the operator key (`admin_key`,
+    None: no operator key). The repr never shows a key."""
 
     keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_key: Optional[str] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for key in self.keys:
+        for key in self.keys + ((self.admin_key,) if self.admin_key is not None else ()):
             if not key or key != key.strip() or "," in key:
                 raise ValueError("an API key must be non-empty, without surrounding blanks or commas")
+        if self.admin_key is not None and self.admin_key in self.keys:
+            raise ValueError("the admin API key must differ from every tenant API key")
 
     @classmethod
-    def from_sources(cls, flag_keys: Optional[Iterable[str]], environ: Mapping[str, str]) -> "ApiKeys":
-        """Keys from `--api-key` flags when any are given, else from KVSPLICE_API_KEY (comma-separated)."""
+    def from_sources(cls, flag_keys: Optional[Iterable[str]], environ: Mapping[str, str],
+                     admin_flag: Optional[str] = None) -> "ApiKeys":
+        """Keys from `--api-key` flags when any are given, else from KVSPLICE_API_KEY (comma-separated);
+        the admin key from `--admin-api-key`, else KVSPLICE_ADMIN_API_KEY (unset or blank: none)."""
         flags = tuple(flag_keys or ())
-        return cls(flags if flags else parse_key_list(environ.get(API_KEY_ENV, "")))
+        admin = admin_flag if admin_flag is not None else (environ.get(ADMIN_KEY_ENV, "").strip() or None)
+        return cls(flags if flags else parse_key_list(environ.get(API_KEY_ENV, "")), admin)
 
     @property
     def enabled(self) -> bool:
+        """Whether every guarded route needs a key (tenant keys are configured)."""
         return bool(self.keys)
+
+    def is_admin(self, presented: Optional[str]) -> bool:
+        """Whether `presented` (a bare key) is the admin key (constant time)."""
+        if self.admin_key is None or not presented:
+            return False
+        return hmac.compare_digest(_digest(presented), _digest(self.admin_key))
 
     def owner_of(self, authorization: Optional[str]) -> Optional[str]:
         """owner_id of the key in an `Authorization: Bearer <key>` header value, or None when it names
-        no configured key. Every configured key is compared, in constant time."""
-        if not authorization:
-            return None
-        scheme, _, presented = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        return self.owner_of_key(presented.strip())
+        no configured key (the admin key included). Every configured key is compared, in constant time."""
+        return self.owner_of_key(bearer_key(authorization))
 
     def owner_of_key(self, presented: Optional[str]) -> Optional[str]:
         """owner_id of `presented` (a bare key, as Anthropic clients send it in `x-api-key`), or None."""
@@ -93,15 +117,46 @@ class ApiKeys:
             return None
         presented_digest = _digest(presented)
         match = None
-        for key in self.keys:
+        for key in self.keys + ((self.admin_key,) if self.admin_key is not None else ()):
             if hmac.compare_digest(presented_digest, _digest(key)):
                 match = key
         return owner_id(match) if match is not None else None
 
 
+def bearer_key(authorization: Optional[str]) -> Optional[str]:
+    """The key of an `Authorization: Bearer <key>` header value (None for another scheme or none)."""
+    if not authorization:
+        return None
+    scheme, _, presented = authorization.partition(" ")
+    return presented.strip() if scheme.lower() == "bearer" else None
+
+
+def presented_keys(request: Request) -> tuple[str, ...]:
+    """The keys a request carries: its bearer key and its `x-api-key`, where given."""
+    return tuple(key for key in (bearer_key(request.headers.get("authorization")), request.headers.get("x-api-key"))
+                 if key)
+
+
 def request_owner(request: Request) -> Optional[str]:
     """The tenant the authentication middleware found for `request` (None without keys)."""
     return request.scope.get("state", {}).get(OWNER_STATE_KEY)
+
+
+def flush_owner(request: Request, keys: ApiKeys) -> Optional[str]:
+    """Whose cache an operator route (POST /flush_cache) acts on: None for every tenant's (the
+    request carries the admin key, or the server has no key of any kind), else the caller's own
+    tenant (see the module's table). ApiError 401 when an admin key is configured and the request
+    carries neither it nor a tenant key."""
+    presented = presented_keys(request)
+    if any(keys.is_admin(key) for key in presented):
+        return None
+    owner = request_owner(request) or next(filter(None, map(keys.owner_of_key, presented)), None)
+    if owner is not None:
+        return owner
+    if keys.admin_key is None and not keys.enabled:
+        return None
+    raise ApiError(401, "this route needs the admin API key or a tenant API key: send `Authorization: Bearer <key>`",
+                   error_type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 class AuthMiddleware:
@@ -117,8 +172,7 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        owner = (self.keys.owner_of(request.headers.get("authorization"))
-                 or self.keys.owner_of_key(request.headers.get("x-api-key")))
+        owner = next(filter(None, map(self.keys.owner_of_key, presented_keys(request))), None)
         if owner is None:
             self.on_refuse(401)
             response = _unauthorized("authorization" in request.headers or "x-api-key" in request.headers)

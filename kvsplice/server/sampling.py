@@ -13,6 +13,7 @@ from kvsplice.server.constraints import ConstraintError, reply_constraint
 from kvsplice.server.errors import ApiError, bad_request
 from kvsplice.server.state import ServerState
 from kvsplice.server.tools import ToolPlan, ToolRequestError, plan_tools
+from kvsplice.structured.grammar import GrammarBusyError
 from kvsplice.structured.spec import StructuredSpec
 
 # The fields a constraint on the reply may come from, in the order they are looked for.
@@ -117,13 +118,17 @@ def sglang_sampling(sp: p.GenerateSamplingParams, max_tokens: int) -> SamplingPa
 
 async def compile_constraint(state: ServerState, spec: Optional[StructuredSpec], param: str) -> None:
     """Compile `spec` in a worker thread (the engine's compile is then a cache hit): a constraint
-    that cannot compile is a 400 naming `param` before the request is queued."""
+    that cannot compile, or not within the time limit, is a 400 naming `param` before the request
+    is queued; a 503 when slow compiles hold every compile slot."""
     if spec is None:
         return
     try:
         await state.workers.run(state.engine.grammars.compile, spec)
-    except ValueError as error:
+    except ValueError as error:            # GrammarTimeoutError included: the limit ran out
         raise ApiError(400, str(error), param=param) from error
+    except GrammarBusyError as error:
+        raise ApiError(503, str(error), error_type="ServiceUnavailableError", code="grammar_busy",
+                       headers={"Retry-After": "1"}) from error
 
 
 def reply_plan(state: ServerState, body: p.ChatCompletionRequest) -> tuple[ToolPlan, Optional[StructuredSpec], str]:

@@ -1,10 +1,11 @@
 """SGLang's native endpoints, so that an sglang-router can balance several kvsplice replicas (replica.py):
 POST /generate (text or input ids; stream chunks carry the cumulative text, as SGLang sends them by
-default), POST /flush_cache (admin), and the descriptions GET /get_server_info and /get_model_info (also
+default), POST /flush_cache (operator: everything with the admin key, else the caller's own tenant), and the descriptions GET /get_server_info and /get_model_info (also
 under SGLang's newer names /server_info and /model_info)."""
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -17,7 +18,7 @@ from pydantic import BaseModel
 from kvsplice import __version__
 from kvsplice.engine.request import RequestOutput
 from kvsplice.server import protocol as p
-from kvsplice.server.auth import refuse_browser_request
+from kvsplice.server.auth import flush_owner, refuse_browser_request
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import ADMIN_ERRORS, INFERENCE_ERRORS, READ_ERRORS, json_request_body
 from kvsplice.server.sampling import check_prompt_ids, max_tokens, sglang_sampling
@@ -41,12 +42,16 @@ def install_generate_routes(app: FastAPI, state: ServerState) -> tuple[type[Base
 
     @app.post("/flush_cache", responses=ADMIN_ERRORS)
     async def flush_cache(request: Request) -> Response:
-        """Admin: drop every unlocked cache entry and idle session, of every tenant. POST only."""
+        """Drop every unlocked cache entry and idle session, in the pool and the disk tier: every
+        tenant's with the admin key (or on a server without keys), else the caller's own tenant's
+        (`kvsplice.server.auth.flush_owner`). POST only."""
         refuse_browser_request(request)
+        owner = flush_owner(request, state.settings.api_keys)
         if not state.async_engine.alive:
             return engine_unavailable()
-        await state.async_engine.call(state.engine.flush_cache)
-        return JSONResponse({"status": "ok", "message": "cache flushed"})
+        await state.async_engine.call(functools.partial(state.engine.flush_cache, owner))
+        scope = "every tenant's" if owner is None else "this tenant's"
+        return JSONResponse({"status": "ok", "message": f"cache flushed ({scope})"})
 
     return (p.GenerateRequest,)
 
