@@ -262,6 +262,11 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400(server, path):
     refused(server, path, "stop_token_ids", stop_token_ids=[-1])
 
 
+def test_chat_top_logprobs_out_of_range_is_a_400_naming_top_logprobs(server):
+    for bad in (21, -1):
+        assert "top_logprobs" in refused(server, CHAT, "top_logprobs", logprobs=True, top_logprobs=bad)
+    assert ok(server, CHAT, logprobs=True, top_logprobs=20)["choices"][0]["logprobs"]["content"]
+
 def test_generate_stop_token_ids_outside_the_vocabulary_are_a_400(server):
     vocab = server.state.engine.model_config.vocab_size
     param = "sampling_params.stop_token_ids"
