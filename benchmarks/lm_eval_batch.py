@@ -92,6 +92,8 @@ def loglikelihoods(port: int, batch_size: int) -> list[tuple[float, bool]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,4,8")
+    parser.add_argument("--url", help="a running `kvsplice serve --served-model-name test-model` (http://host:port) "
+                                      "to use instead of starting one")
     args = parser.parse_args(argv)
     sizes = [int(part) for part in args.batch_sizes.split(",")]
     import lm_eval
@@ -100,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     print(cpu_line())
     print(f"load average: {os.getloadavg()[0]:.2f}; lm-eval {lm_eval.__version__}; "
           f"{len(instances())} loglikelihood requests ({len(QUESTIONS)} questions)")
-    port = free_port()
-    server = start_server(port)
+    if args.url:
+        port, server = int(args.url.rsplit(":", 1)[1].strip("/")), None
+    else:
+        port = free_port()
+        server = start_server(port)
     try:
         base = loglikelihoods(port, 1)
         print("| batch size | max abs diff vs batch 1 | greedy flags equal |")
@@ -115,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         picked = sum(max(range(3), key=lambda c: base[q * 3 + c][0]) == 0 for q in range(len(QUESTIONS)))
         print(f"first choice (the right one) most likely: {picked} of {len(QUESTIONS)}")
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
     return 0
 
 

@@ -28,7 +28,6 @@ import os
 import re
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,15 +59,14 @@ class PeerFile:
 VLLM, SGLANG = "vllm-project/vllm", "sgl-project/sglang"
 VLLM_OPENAI = "tests/entrypoints/openai"
 SGLANG_OPENAI = "test/srt/openai_server"
+# cheapest first: a run stopped at its time limit has run the most files
 PEER_FILES = (
-    PeerFile("vllm", VLLM, "35daaf4dd032917896c665abc01dedd7bb4a0ad8", f"{VLLM_OPENAI}/basic/test_basic.py"),
-    PeerFile("vllm", VLLM, "03f5298e5c557f4fb84b83451c515329c27f1fac", f"{VLLM_OPENAI}/chat_completion/test_chat.py"),
     PeerFile("vllm", VLLM, "0c292380d4662181b001e8cfaff80f49ffbfd59c",
              f"{VLLM_OPENAI}/chat_completion/test_chat_logit_bias_validation.py"),
     PeerFile("vllm", VLLM, "37fa82dee586a01d953581f8937c528b94a2816d",
              f"{VLLM_OPENAI}/chat_completion/test_chat_stop_token_ids_validation.py"),
+    PeerFile("vllm", VLLM, "35daaf4dd032917896c665abc01dedd7bb4a0ad8", f"{VLLM_OPENAI}/basic/test_basic.py"),
     PeerFile("vllm", VLLM, "10efe9463b0a2529746fe5fb81d546cf1062b06c", f"{VLLM_OPENAI}/completion/test_completion.py"),
-    PeerFile("sglang", SGLANG, "0a0dd3590799de5344ff8db9b1886105d4c18af9", f"{SGLANG_OPENAI}/basic/test_openai_server.py"),
     PeerFile("sglang", SGLANG, "2d369f693bb2faa938c897cc551125ff5529769d",
              f"{SGLANG_OPENAI}/validation/test_matched_stop.py"),
     PeerFile("sglang", SGLANG, "1740f505dd07164b05607881e4235925ebdb4127",
@@ -77,6 +75,8 @@ PEER_FILES = (
              f"{SGLANG_OPENAI}/validation/test_request_body_validation.py"),
     PeerFile("sglang", SGLANG, "adcc3be8bc9790d304a35ff3a16f6585af6dfcb6",
              f"{SGLANG_OPENAI}/features/test_continuous_usage_stats.py"),
+    PeerFile("vllm", VLLM, "03f5298e5c557f4fb84b83451c515329c27f1fac", f"{VLLM_OPENAI}/chat_completion/test_chat.py"),
+    PeerFile("sglang", SGLANG, "0a0dd3590799de5344ff8db9b1886105d4c18af9", f"{SGLANG_OPENAI}/basic/test_openai_server.py"),
 )
 
 
@@ -105,52 +105,55 @@ def prepare(checkouts: dict[str, Path]) -> None:
         print(f"prepared {item.peer}/{item.path} at {item.commit[:12]}")
 
 
-def run_pytest(extra: list[str]) -> tuple[Path, Path, int]:
-    """Run every prepared file under the peers' pytest configuration; returns the JUnit report, the
-    deselection report and pytest's exit code."""
+def run_pytest(extra: list[str], url: str | None, time_limit_s: float) -> tuple[Path, Path, bool]:
+    """Run every prepared file under the peers' pytest configuration, stopped after `time_limit_s`;
+    returns the per-test results (JSON lines), the deselection report and whether it ran to the end."""
     RUNS.mkdir(parents=True, exist_ok=True)
-    junit, deselected = RUNS / "junit.xml", RUNS / "deselected.json"
+    results, deselected = RUNS / "results.jsonl", RUNS / "deselected.json"
+    results.unlink(missing_ok=True)
     env = dict(os.environ, KVSPLICE_PEER_TESTS="1", KVSPLICE_PEER_DESELECTED=str(deselected),
-               KVSPLICE_PEER_LOG=str(RUNS / "server.log"), PYTHONPATH=str(ROOT))
+               KVSPLICE_PEER_RESULTS=str(results), KVSPLICE_PEER_LOG=str(RUNS / "server.log"),
+               PYTHONPATH=str(ROOT))
+    env.pop("KVSPLICE_PEER_URL", None)
+    if url:
+        env["KVSPLICE_PEER_URL"] = url
     command = [sys.executable, "-m", "pytest", "-c", str(PEERS / "pytest.ini"), "--rootdir", str(PEERS),
-               "--confcutdir", str(PEERS), "-q", "--no-header", "-rN", "--tb=native", f"--junitxml={junit}",
+               "--confcutdir", str(PEERS), "-q", "--no-header", "-rN", "--tb=native",
                *[str(item.local) for item in PEER_FILES], *extra]
-    code = subprocess.run(command, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL).returncode
-    return junit, deselected, code
+    process = subprocess.Popen(command, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
+    try:
+        process.wait(timeout=time_limit_s)
+        finished = True
+    except subprocess.TimeoutExpired:
+        process.terminate()  # pytest_unconfigure stops the server it started
+        process.wait(timeout=60)
+        finished = False
+    return results, deselected, finished
 
 
 def file_of(test_id: str) -> str:
-    """`vllm/tests/.../test_chat.py` from a node id or a JUnit classname."""
+    """`vllm/tests/.../test_chat.py` from a node id."""
     return test_id.split("files/", 1)[-1].split("::", 1)[0]
 
 
-def junit_outcomes(junit: Path) -> list[tuple[str, str, str]]:
-    """(file, test name, outcome, message) per JUnit testcase: outcome passed, failed or skipped."""
-    rows = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        classname, name = case.get("classname") or "", case.get("name", "")
-        parts = classname.split(".")
-        module_at = next((i for i, part in enumerate(parts) if part.startswith("test_")), len(parts) - 1)
-        path = "/".join(parts[: module_at + 1]) + ".py"
-        test = "::".join([*parts[module_at + 1:], name])
-        problem = case.find("failure")
-        problem = problem if problem is not None else case.find("error")
-        if problem is not None:
-            message = (problem.get("message") or "").strip().splitlines()
-            rows.append((path.split("files/", 1)[-1], test, "failed", message[0][:160] if message else ""))
-        elif case.find("skipped") is not None:
-            rows.append((path.split("files/", 1)[-1], test, "skipped", ""))
-        else:
-            rows.append((path.split("files/", 1)[-1], test, "passed", ""))
-    return rows
+def outcomes(results: Path) -> dict[str, tuple[str, str]]:
+    """node id -> (passed | failed | skipped, first line of the failure) from the results' JSON lines."""
+    seen: dict[str, tuple[str, str]] = {}
+    lines = results.read_text().splitlines() if results.exists() else []
+    for row in map(json.loads, lines):
+        outcome = row["outcome"]
+        if seen.get(row["nodeid"], ("",))[0] == "failed":
+            continue
+        seen[row["nodeid"]] = (outcome, row["message"] if outcome == "failed" else "")
+    return seen
 
 
-def report(junit: Path, deselected_path: Path) -> None:
-    rows = junit_outcomes(junit)
+def report(results: Path, deselected_path: Path, finished: bool) -> None:
+    ran = outcomes(results)
     deselected = json.loads(deselected_path.read_text()) if deselected_path.exists() else {}
     counts: dict[str, Counter] = defaultdict(Counter)
-    for path, _, outcome, _ in rows:
-        counts[path][outcome] += 1
+    for node, (outcome, _) in ran.items():
+        counts[file_of(node)][outcome] += 1
     for node in deselected:
         counts[file_of(node)]["deselected"] += 1
     print("| peer file | passed | failed | deselected |")
@@ -164,11 +167,13 @@ def report(junit: Path, deselected_path: Path) -> None:
     print(f"| total | {total['passed']} | {total['failed']} | {total['deselected']} |")
     if total["skipped"]:
         print(f"skipped: {total['skipped']}")
+    if not finished:
+        print("stopped at the time limit: the tests after the last one counted did not run")
     print()
     print("failed:" if total["failed"] else "failed: none")
-    for path, test, outcome, message in rows:
+    for node, (outcome, message) in ran.items():
         if outcome == "failed":
-            print(f"  {path}::{test}: {message}")
+            print(f"  {node.split('files/', 1)[-1]}: {message}")
     print()
     print("deselected (tests/peers/deselected.py):")
     for node, reason in deselected.items():
@@ -184,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare", metavar="PEER=CHECKOUT,...",
                         help="copy the peers' files from local git checkouts (vllm=DIR,sglang=DIR), then exit")
+    parser.add_argument("--url", help="a running `kvsplice serve --served-model-name test-model` to use "
+                                      "instead of starting one")
+    parser.add_argument("--time-limit-s", type=float, default=3600,
+                        help="stop the run after this long and report what ran (default 3600)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (e.g. -k NAME)")
     args = parser.parse_args(argv)
     if args.prepare:
@@ -200,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for item in PEER_FILES:
         print(f"{item.repo}@{item.commit[:12]} {item.path}")
     print()
-    junit, deselected, _ = run_pytest(args.pytest_args)
-    report(junit, deselected)
+    results, deselected, finished = run_pytest(args.pytest_args, args.url, args.time_limit_s)
+    report(results, deselected, finished)
     return 0
 
 

@@ -71,16 +71,37 @@ def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
 
 
 def pytest_configure(config):
+    """Start the server, unless KVSPLICE_PEER_URL already names one (started by the caller, with
+    `--served-model-name test-model` on the default model)."""
     if not ENABLED:
         return
     from kvsplice.models.default_model import default_model_dir
 
+    os.environ["KVSPLICE_PEER_MODEL_DIR"] = str(default_model_dir())
+    if os.environ.get("KVSPLICE_PEER_URL"):
+        return
     log_path = Path(os.environ.get("KVSPLICE_PEER_LOG", REPO / "runs" / "peer_tests" / "server.log"))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     process, url = start_server(log_path)
     config._kvsplice_peer_server = process
     os.environ["KVSPLICE_PEER_URL"] = url
-    os.environ["KVSPLICE_PEER_MODEL_DIR"] = str(default_model_dir())
+
+
+def pytest_runtest_logreport(report):
+    """One JSON line per test phase that decides an outcome (the call; a setup or teardown that failed
+    or skipped) in KVSPLICE_PEER_RESULTS, as it happens: a run stopped at its time limit still says
+    what it ran."""
+    path = os.environ.get("KVSPLICE_PEER_RESULTS")
+    if not path or (report.when != "call" and report.outcome == "passed"):
+        return
+    message = ""
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        lines = (crash.message if crash is not None else str(report.longrepr)).splitlines()
+        message = lines[0][:200] if lines else ""
+    with open(path, "a") as out:
+        out.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                              "message": message}) + "\n")
 
 
 def pytest_unconfigure(config):
