@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
                       model_validator)
 
+from kvsplice.sampling_params import MAX_LOGPROBS
 from kvsplice.server.limits import RequestLimits
 
 from kvsplice.structured.spec import canonical_json, check_schema, nesting_depth
@@ -429,6 +430,9 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            # checked here, not by SamplingParams, which knows the count only as `logprobs`
+            raise ValueError(f"top_logprobs: must be an int in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.message_offsets is not None:
             raise ValueError("message_offsets: not accepted on chat completions (the server computes them "
                              "from the messages)")

@@ -32,7 +32,7 @@ def _chat(**fields) -> dict:
     ("/v1/chat/completions", _chat(temperature=-1), 400, "temperature"),
     ("/v1/chat/completions", _chat(top_p=0), 400, "top_p"),
     ("/v1/chat/completions", _chat(top_logprobs=3), 400, "top_logprobs"),
-    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=50), 400, "logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("/v1/chat/completions", _chat(presence_penalty=5), 400, "presence_penalty"),
     ("/v1/chat/completions", _chat(unknown_field=1), 400, "unknown field"),
     ("/v1/chat/completions", _chat(scr={"max_sessions": 3}), 400, "scr"),

@@ -262,6 +262,24 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400(server, path):
     refused(server, path, "stop_token_ids", stop_token_ids=[-1])
 
 
+def test_chat_top_logprobs_out_of_range_is_a_400_naming_top_logprobs(server):
+    for bad in (21, -1):
+        assert "top_logprobs" in refused(server, CHAT, "top_logprobs", logprobs=True, top_logprobs=bad)
+    assert ok(server, CHAT, logprobs=True, top_logprobs=20)["choices"][0]["logprobs"]["content"]
+
+def test_generate_stop_token_ids_outside_the_vocabulary_are_a_400(server):
+    vocab = server.state.engine.model_config.vocab_size
+    param = "sampling_params.stop_token_ids"
+    for bad in ([1, vocab], [-1]):
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2, "stop_token_ids": bad}}
+        response = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and str(bad[-1]) in error["message"], error
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2, "stop_token_ids": [vocab - 1]}}
+    assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 200
+
+
 def test_echo_of_a_prompt_with_special_tokens_is_consistent_with_its_tokens(server):
     tok = tokenizer(server)
     start = tok.backend.convert_tokens_to_ids("<|im_start|>")

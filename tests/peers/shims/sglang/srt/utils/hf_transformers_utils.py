@@ -1,0 +1,5 @@
+from served import tokenizer
+
+
+def get_tokenizer(*_args, **_kwargs):
+    return tokenizer()
