@@ -95,8 +95,10 @@ def one_start(root: Path, tokens: int, timeout_s: float) -> dict:
     try:
         state = None
         while (state := health(url)) is None:
-            if server.poll() is not None or time.perf_counter() - started > timeout_s:
-                raise RuntimeError(f"the server did not become ready: {log_path.read_text()[-2000:]}")
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited: {log_path.read_text()[-2000:]}")
+            if time.perf_counter() - started > timeout_s:
+                return {"ready_s": None, "ready_cpu_s": cpu_seconds(server.pid), "log": _log_times(log_path)}
             time.sleep(0.1)
         result = {"ready_s": time.perf_counter() - started, "ready_cpu_s": cpu_seconds(server.pid)}
         during, after, switched = [], [], None
@@ -114,15 +116,23 @@ def one_start(root: Path, tokens: int, timeout_s: float) -> dict:
         except subprocess.TimeoutExpired:
             server.kill()
     text = log_path.read_text()
-    result["log"] = {name: float(m.group(1)) for name, pattern in LOG_TIMES.items()
-                     if (m := re.search(pattern, text))}
+    result["log"] = _log_times(log_path)
     result["verdict"] = next((line.split("compiled decode: ", 1)[1] for line in text.splitlines()
                               if "measured on the live model" in line or "--compile-decode" in line
                               or "auto: eager" in line), "")
     return result
 
 
+def _log_times(log_path: Path) -> dict[str, float]:
+    """The start-up times the server's log states (LOG_TIMES), by name."""
+    text = log_path.read_text()
+    return {name: float(m.group(1)) for name, pattern in LOG_TIMES.items() if (m := re.search(pattern, text))}
+
+
 def report(name: str, run: dict) -> list[str]:
+    if run["ready_s"] is None:
+        return [f"{name}: /health not ready within the timeout (server CPU {run['ready_cpu_s']:.1f} s); log: "
+                + ", ".join(f"{k} {v:.1f} s" for k, v in run["log"].items())]
     lines = [f"{name}: /health ready {run['ready_s']:.1f} s (server CPU {run['ready_cpu_s']:.1f} s); log: "
              + ", ".join(f"{k} {v:.1f} s" for k, v in run["log"].items())]
     switched = run["switched"]

@@ -303,11 +303,16 @@ class CompiledDecode:
                                      built.trial_inputs, labels)
         counts = self._thread_counts
         threads = torch.get_num_threads() if not counts or torch.get_num_threads() in counts else counts[0]
-        with torch.inference_mode(), intra_op_threads(threads):   # as the graphs were built
-            self._trial.step()
-        if not self._trial.done:
-            return False
-        self.verdict = self._trial.verdict()
+        try:
+            with torch.inference_mode(), intra_op_threads(threads):   # as the graphs were built
+                self._trial.step()
+        except Exception as exc:  # noqa: BLE001 -- a trial that cannot run leaves the eager step serving
+            self.verdict = TrialVerdict((False,) * len(built.trial_inputs),
+                                        f"the eager step stays: the speed trial failed: {type(exc).__name__}: {exc}")
+        else:
+            if not self._trial.done:
+                return False
+            self.verdict = self._trial.verdict()
         use = self.verdict.use_compiled
         self._use = (use[0], use[-1])   # one graph only where max_rows is 1: no step has more rows
         _log.info("compiled decode: %s", self.verdict.reason)
