@@ -108,9 +108,13 @@ BENCHMARKS = (
               "python benchmarks/scr_edit.py --out runs/scr_edit.json",
               "Edited multi-turn conversations on the default model: prompt tokens computed per edited turn "
               "and TTFT for SCR, prefix caching alone and the lower bound (changed + appended tokens).",
-              f"{FLOAT32}; {SCR_30_NOV} (today's add them: 5.3% of the prompt computed instead of 4.1% on "
-              "the built-in fidelity cases).",
-              (r"^\| (edit|delete|replace|strip|update|all)",)),
+              f"{FLOAT32}; {SCR_30_NOV}.",
+              (r"^\| (edit|all)",)),
+    Benchmark("edit_cost", "An edited turn against the tokens it computes", "SCR",
+              "python benchmarks/edit_cost.py --repeats 1",
+              "Built-in edit cases (per case, with relocation and forward: docs/benchmarks/edit_cost.txt).",
+              "Defaults, in-process, 1 thread, CPU seconds.",
+              (r"^ratio",)),
     Benchmark("fidelity", "SCR fidelity against exact recompute", "SCR / report",
               "kvsplice fidelity --k 0,1,2,4,6,8 --tails 4,8,16,32 --seams 0 --front-tails 16 --no-anchor "
               "--out runs/fidelity",
@@ -232,24 +236,30 @@ BENCHMARKS = (
               "bf16 lm_head), one thread (`OMP_NUM_THREADS=1`)."),
     Benchmark("decode_profile", "Where a decode step's time goes", "fast decode",
               "python benchmarks/decode_profile.py",
-              "The engine alone (no HTTP): median decode step for 1 and 8 streams on 1 and 2 threads, and the "
+              "The engine alone (no HTTP): median decode step for 1 and 8 streams on 2 threads (1: the stored output), and the "
               "profiler's split of a step.",
               "The defaults as resolved on this CPU (bf16, the GGUF's 4-bit groups), eager (no `--compile-decode`).",
-              (r"^threads",)),
+              (r"^threads 2",)),
     Benchmark("row_head", "One decode row's lm_head from the GGUF's Q8_0 blocks", "fast decode",
               "python benchmarks/row_head.py",
               "The tied Q8_0 embedding as `--compile-decode` uses it for one row (int8 blocks, a compiled fp32 "
               "loop) against the bf16 head: time of one row's logits and KL(exact head || head).",
-              "The head that `--compile-decode` uses (off by default) against the default bf16 head.",
+              "The head that the compiled decode step uses against the bf16 head.",
               (r"^\d+ head rows", r"^  ", r"^threads")),
     Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
               "python benchmarks/vs_llamacpp.py --kvsplice-args=--compile-decode --out runs/vs_llamacpp.json",
               "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold "
               "prefill, decode for 1 and 8 streams, inter-token latency while 4 others prefill 2K prompts, "
               "edited-turn TTFT (SCR against `--cache-reuse 16`), whole agent turns; goals in the notes.",
-              "with `--compile-decode` (off by default); otherwise the `kvsplice serve` defaults (`--dtype auto`: "
+              "with `--compile-decode`; otherwise the `kvsplice serve` defaults (`--dtype auto`: "
               f"bf16 here, `--weight-format auto`); {SCR_16}.",
               (r"^measure ", r"^(cold|decode|ITL|TTFT|edited|agent)[ ,]")),
+    Benchmark("startup", "Start-up: /health and the compiled decode step", "fast decode",
+              "python benchmarks/startup.py --timeout-s 300",
+              "A fresh `kvsplice serve`, empty compile cache then warm: time to /health and to the compiled "
+              "step.",
+              "`kvsplice serve`, no flags.",
+              (r"^load average at start", r"cache: (/health|compiled|requests d)")),
     Benchmark("decode_threads", "Decode threads in the server", "fast decode",
               "python benchmarks/decode_threads.py",
               "`kvsplice serve` with each --decode-threads value, alternated twice: median gap between "

@@ -120,9 +120,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("compile_decode", MODEL, "compile decode-only steps with torch.compile (inductor, C++ wrapper): "
                "fewer per-op dispatches per token; the graphs build in the background while eager steps serve "
                "(minutes on 2 cores, under a minute once the compile cache holds them; `kvsplice pull --compile` "
-               "fills it); on needs int4 / int8 weights and a C++ compiler; auto: on where that holds on a CPU "
-               "with native bf16 (avx512_bf16 / amx_bf16) and bf16 activations; a bare flag is on",
-               choices=COMPILE_DECODE_CHOICES, cli_default="off", bare="on"),
+               "fills it); on needs int4 / int8 weights and a C++ compiler; auto: built where that holds on a CPU "
+               "with native bf16 (avx512_bf16 / amx_bf16) and bf16 activations, then switched in only where "
+               "it times faster than the eager step; a bare flag is on",
+               choices=COMPILE_DECODE_CHOICES, cli_default="auto", bare="on"),
     EngineFlag("num_slots", CACHE, "KV pool size in tokens"),
     EngineFlag("prefix_cache", CACHE, "turn the radix prefix cache off (and with it SCR)"),
     EngineFlag("decode_arena_tokens", CACHE, "bound (tokens) of the contiguous K/V copies of decoding requests; "

@@ -141,9 +141,9 @@ def test_prefill_lane_threads_auto_is_one_thread_where_there_are_two():
 
 
 def test_compile_decode_flag():
-    """off by default; a bare flag is on (as before it took a value); a bad value exits 2."""
+    """auto by default; a bare flag is on (as before it took a value); a bad value exits 2."""
     assert engine_config_from_args(_serve_args("--compile-decode"), {}).compile_decode == "on"
-    assert engine_config_from_args(_serve_args(), {}).compile_decode == "off"
+    assert engine_config_from_args(_serve_args(), {}).compile_decode == "auto"
     for value in ("auto", "on", "off"):
         assert engine_config_from_args(_serve_args("--compile-decode", value), {}).compile_decode == value
     assert main(["serve", "--compile-decode", "sometimes"]) == 2

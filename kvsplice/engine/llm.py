@@ -83,8 +83,9 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     the default model) and build an Engine around it (`config.dtype` may be "auto"; `failpoints`:
     a test seam, see Engine).
 
-    `config.compile_decode` "auto" is decided here (`kvsplice.models.compile_choice`; the reason
-    logged once). Where it is on, the compiled decode step builds on a background thread
+    `config.compile_decode` "auto" is decided here from the machine and the model
+    (`kvsplice.models.compile_choice`; the reason logged once), and then, once the graphs are built,
+    by timing them against the eager step (the speed trial of kvsplice.models.compiled_decode). Where it is on, the compiled decode step builds on a background thread
     (`decode_builder`, default inductor with its cache under kvsplice's cache directory,
     `decode_cache_dir`); `wait_for_compile` starts it and waits for it (raising what the build
     raised); else the caller starts it (`engine.runner.fast.compiled.start()`: the server does once
@@ -104,10 +105,11 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
         choice = choose_compile_decode(config.compile_decode, weight_format=weight_format.projections,
                                        fast_path=_fast_path_missing(config, model_config), **facts)
     _log.info("compiled decode: %s", choice.reason)
+    measure = config.compile_decode == "auto"   # auto switches only where the step measures faster
     config = dataclasses.replace(config, compile_decode="on" if choice.enabled else "off")
     if choice.enabled and decode_builder is None:
         decode_builder = InductorBuilder(decode_cache_dir(config, ckpt.name, ckpt.hf_config, model_config,
-                                                          weight_format))
+                                                          weight_format), measure=measure)
     engine = Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name, failpoints=failpoints,
                     decode_builder=decode_builder)
     compiled = engine.runner.fast.compiled if engine.runner.fast is not None else None
@@ -162,7 +164,8 @@ def decode_cache_dir(config: EngineConfig, name: str, hf_config: dict, model_con
     from torch's version, the model's identity, the graphs' shapes, formats and thread counts,
     and the CPU (`kvsplice.models.compile_choice`)."""
     threads = ThreadPolicy.from_config(config.decode_threads, config.prefill_lane_threads)
-    shapes = {"kvsplice": _installed_version(), "dtype": config.dtype, "weights": weight_format.describe(),
+    dtype = str(resolve_auto_dtype(config.dtype, config.device))   # "auto" and its value share graphs
+    shapes = {"kvsplice": _installed_version(), "dtype": dtype, "weights": weight_format.describe(),
               "layers": model_config.num_layers, "hidden": model_config.hidden_size,
               "heads": model_config.num_heads, "kv_heads": model_config.num_kv_heads,
               "head_dim": model_config.head_dim, "vocab": model_config.vocab_size,

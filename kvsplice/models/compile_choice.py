@@ -9,6 +9,12 @@ inductor can trace), a C++ compiler for inductor's C++ wrapper, an attention-onl
 fast path (docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's llama-server on the same GGUF"). Anything else
 is never assumed: auto stays eager and says why.
 
+Where the facts allow it, auto still does not assume the compiled step is faster on this machine:
+once its graphs are built, `SpeedTrial` times the eager and the compiled step against each other
+on the live model (the graphs' warm-up inputs, calls alternated, on the thread that runs the
+engine's steps), and each graph is switched in only where it is faster than eager by
+SWITCH_MARGIN; where it is not, the eager step stays and the log says why, once.
+
 The compile cache (`compile_cache_dir`) is one directory per key under kvsplice's cache
 (`~/.cache/kvsplice/inductor/<key>`), the key a hash of what invalidates the graphs: torch's
 version, the model's identity (its name and configuration), the graphs' shapes and
@@ -21,6 +27,9 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +39,8 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 KEY_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8")
 COMPILERS = ("g++", "c++", "clang++")
+TRIAL_CALLS = 5        # timed calls of each step on each graph's inputs (after one untimed round)
+SWITCH_MARGIN = 0.05   # a compiled graph is switched in only where its median is this much below eager's
 
 
 @dataclass(frozen=True)
@@ -108,3 +119,74 @@ def cpu_identity(capability: str, flags: frozenset[str]) -> tuple[str, ...]:
 def compile_cache_dir(root: Path, key: str) -> Path:
     """`root/inductor/<key>` (not created here)."""
     return root / "inductor" / key
+
+
+@dataclass(frozen=True)
+class TrialVerdict:
+    """What a SpeedTrial measured: per graph, whether the compiled step serves, and the line that
+    says why (logged once)."""
+
+    use_compiled: tuple[bool, ...]
+    reason: str
+
+
+class SpeedTrial:
+    """The eager step against the compiled one, one call at a time, on each graph's `inputs`
+    (`labels` name them in the verdict). Calls alternate between the two steps, in an order that
+    flips every round, so that load from elsewhere on the machine falls on both alike; the first
+    round is not timed (first calls). `step` runs the next call (the caller spreads them over
+    engine steps, so that no step waits for the whole trial); `verdict` once `done`. A compiled
+    call that raises (a graph that refuses its own inputs, for one) leaves that graph eager."""
+
+    def __init__(self, eager: Callable, compiled: Callable, inputs: Sequence[tuple], labels: Sequence[str],
+                 calls: int = TRIAL_CALLS, margin: float = SWITCH_MARGIN, clock: Callable[[], float] = time.perf_counter):
+        if len(inputs) != len(labels) or not inputs or calls < 1:
+            raise ValueError("a speed trial needs one label per input and at least one call")
+        self.steps = {"eager": eager, "compiled": compiled}
+        self.inputs, self.labels, self.margin, self.clock = tuple(inputs), tuple(labels), margin, clock
+        self.times: dict[tuple[int, str], list[float]] = {(graph, name): [] for graph in range(len(inputs))
+                                                           for name in self.steps}
+        self.failed: dict[int, str] = {}
+        order = ("eager", "compiled")
+        self._pending = [(round_, graph, name) for round_ in range(calls + 1) for graph in range(len(inputs))
+                         for name in (order if round_ % 2 else order[::-1])]
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    def step(self) -> None:
+        """Run and time the next call (nothing once done)."""
+        if not self._pending:
+            return
+        round_, graph, name = self._pending.pop(0)
+        if graph in self.failed:
+            return
+        started = self.clock()
+        try:
+            self.steps[name](*self.inputs[graph])
+        except Exception as exc:  # noqa: BLE001 -- only a compiled call can fail here; eager is the reference
+            if name == "eager":
+                raise
+            self.failed[graph] = f"{type(exc).__name__}: {exc}"
+            return
+        if round_:
+            self.times[(graph, name)].append(self.clock() - started)
+
+    def verdict(self) -> TrialVerdict:
+        """Per graph: compiled where its median call time is below (1 - margin) x eager's."""
+        use, parts = [], []
+        for graph, label in enumerate(self.labels):
+            if graph in self.failed:
+                use.append(False)
+                parts.append(f"{label}: eager (the compiled call failed: {self.failed[graph]})")
+                continue
+            eager, compiled = (statistics.median(self.times[(graph, name)]) for name in ("eager", "compiled"))
+            faster = compiled < (1 - self.margin) * eager
+            use.append(faster)
+            parts.append(f"{label}: compiled {compiled * 1e3:.1f} ms against eager {eager * 1e3:.1f} ms "
+                         f"({compiled / eager:.2f}x): {'compiled' if faster else 'eager'}")
+        head = ("the compiled step serves" if all(use) else
+                f"the eager step stays (not {self.margin:.0%} faster)" if not any(use) else
+                "the compiled step serves where it is faster")
+        return TrialVerdict(tuple(use), f"{head}; measured on the live model: " + "; ".join(parts))

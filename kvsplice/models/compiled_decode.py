@@ -42,6 +42,13 @@ slower for that time, never refused. `wait` blocks until the build is done (the 
 `kvsplice pull --compile` wait; the server does not). A build that fails leaves the eager step:
 the failure is logged once (`wait` raises it).
 
+Switching in. Under `--compile-decode on` the built graphs are taken as they are. Under auto the
+builder also hands back the inputs it compiled on (`BuiltDecode.trial_inputs`), and the compute
+thread first times the eager step against the compiled one on them (`compile_choice.SpeedTrial`,
+one call before each decode step, so that no step waits for the whole trial); each graph (one row;
+2..max_rows rows) is switched in only where it measured faster by a margin, and the verdict is
+logged once (`state` "measuring" meanwhile, then "active", or "eager" where neither graph won).
+
 Afterwards every call runs under `set_stance("fail_on_recompile")`: a step that no compiled graph covers raises before anything
 runs, and runs eagerly instead (`fallbacks` counts them), so serving never stalls on a compile.
 
@@ -68,6 +75,7 @@ import torch
 from kvsplice.layers.attention import length_mask
 from kvsplice.layers.block_int8_head import BlockInt8Head, Int8Blocks
 from kvsplice.layers.compiled_call import INDUCTOR_OPTIONS, GraphRefused, call_compiled
+from kvsplice.models.compile_choice import SpeedTrial, TrialVerdict
 from kvsplice.utils.thread_policy import intra_op_threads
 
 _log = logging.getLogger(__name__)
@@ -104,10 +112,13 @@ class GraphSpec:
 
 @dataclass(frozen=True)
 class BuiltDecode:
-    """A builder's result: the compiled step (decode_fn's signature) and the row head, if any."""
+    """A builder's result: the compiled step (decode_fn's signature) and the row head, if any;
+    `trial_inputs`: where the switch is to be measured first (auto), decode_fn's arguments for each
+    graph, one row first (what the graphs were compiled on), else empty."""
 
     step: DecodeFn
     row_head: Optional[BlockInt8Head] = None
+    trial_inputs: tuple[tuple[torch.Tensor, ...], ...] = ()
 
 
 class DecodeBuilder(Protocol):
@@ -119,21 +130,24 @@ class DecodeBuilder(Protocol):
 class InductorBuilder:
     """torch.compile (inductor, C++ wrapper) of the step and the row head, compiled by running them
     on scratch tensors. `cache_dir`: inductor's on-disk cache for them (TORCHINDUCTOR_CACHE_DIR,
-    set for the process unless it names a directory of the user's own); None: inductor's default."""
+    set for the process unless it names a directory of the user's own); None: inductor's default.
+    `measure`: hand the scratch inputs back, so that the switch is measured first (auto)."""
 
-    def __init__(self, cache_dir: Optional[Path] = None):
+    def __init__(self, cache_dir: Optional[Path] = None, measure: bool = False):
         self.cache_dir = cache_dir
+        self.measure = measure
 
     def build(self, decode_fn: DecodeFn, spec: GraphSpec) -> BuiltDecode:
         self._use_cache_dir()
         compiled = torch.compile(decode_fn, fullgraph=True,
                                  options={**INDUCTOR_OPTIONS, "guard_filter_fn": _skip_decoder_guards})
+        inputs = ()
         for count in spec.thread_counts or (torch.get_num_threads(),):   # the count is guarded: one set each
             with intra_op_threads(count):
-                _warm_up(compiled, spec)
+                inputs = _warm_up(compiled, spec)
         row_head = (BlockInt8Head(spec.head_blocks, spec.dtype, spec.head_counts)
                     if spec.head_blocks is not None else None)
-        return BuiltDecode(compiled, row_head)
+        return BuiltDecode(compiled, row_head, inputs if self.measure else ())
 
     def _use_cache_dir(self) -> None:
         from torch._inductor import config
@@ -152,9 +166,9 @@ class InductorBuilder:
         clear_caches()   # directories inductor derived from an earlier value
 
 
-def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> None:
+def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> tuple[tuple[torch.Tensor, ...], ...]:
     """Compile both graphs on scratch tensors, with the dimensions that vary between steps
-    marked dynamic. Their sizes are distinct and above 1 (dynamo specialises size 1 and
+    marked dynamic, and return each graph's inputs (one row first). Their sizes are distinct and above 1 (dynamo specialises size 1 and
     merges symbols whose sizes are equal when it traces). The scratch pool and arena are
     normal tensors, as the KVPool's and DecodeArena's are, and the step's own tensors are made
     in inference mode, as the engine's steps make them (the guards check which kind each is)."""
@@ -169,6 +183,7 @@ def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> None:
     for tensor in (arena_k, arena_v):
         torch._dynamo.mark_dynamic(tensor, 1)
         torch._dynamo.mark_dynamic(tensor, 3)
+    inputs = []
     for count in ((1,) if spec.max_rows == 1 else (1, 2)):
         with torch.inference_mode():
             lengths = torch.tensor([7 + row for row in range(count)])
@@ -180,6 +195,8 @@ def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> None:
                 torch._dynamo.mark_dynamic(tensor, 0)
         with torch.inference_mode():
             compiled(*step, pool_k, pool_v, arena_k, arena_v)
+        inputs.append((*step, pool_k, pool_v, arena_k, arena_v))
+    return tuple(inputs)
 
 
 class CompiledDecode:
@@ -188,7 +205,9 @@ class CompiledDecode:
     the module docstring). `covers` says whether a step can use the graphs (False until they are built);
     `__call__` takes decode_fn's arguments and returns its result, compiled where a graph covers
     the call, eager otherwise. `row_head`: the built one-row head (None until then, or without
-    one). `state`: "building", "active" or "failed" (`error` then says why)."""
+    one). `state`: "building", "measuring" (auto's speed trial), "active" (a graph serves), "eager"
+    (the trial kept the eager step for every graph) or "failed" (`error` then says why).
+    `verdict`: the trial's, once it is done (None without one)."""
 
     def __init__(self, decode_fn: DecodeFn, spec: GraphSpec, builder: Optional[DecodeBuilder] = None):
         if spec.max_rows < 1:
@@ -200,7 +219,11 @@ class CompiledDecode:
         self.row_head: Optional[BlockInt8Head] = None
         self.error: Optional[BaseException] = None
         self.build_s: Optional[float] = None
+        self.verdict: Optional[TrialVerdict] = None
         self._built: Optional[BuiltDecode] = None   # taken by the compute thread (`_take`)
+        self._use = (True, True)                    # the one-row graph, the 2..max_rows graph
+        self._trial: Optional[SpeedTrial] = None
+        self._thread_counts = spec.thread_counts
         self._started = time.perf_counter()
         self.future: concurrent.futures.Future[BuiltDecode] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._build, args=(builder or InductorBuilder(), spec),
@@ -217,15 +240,19 @@ class CompiledDecode:
     @property
     def state(self) -> str:
         if self._built is not None:
-            return "active"
+            return "active" if any(self._use) else "eager"
+        if self._trial is not None:
+            return "measuring"
         return "failed" if self.future.done() and self.future.exception() is not None else "building"
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Start the build if it is not yet, block until it is done and take its graphs; raises
-        what the build raised."""
+        """Start the build if it is not yet, block until it is done and take its graphs (after the
+        whole speed trial, where there is one: call it on the thread that steps the engine);
+        raises what the build raised."""
         self.start()
         self.future.result(timeout)
-        self._take()
+        while not self._take():
+            pass
 
     def covers(self, count: int, width: int, arena_rows: int, capacity: int) -> bool:
         """True when the graphs are built and a step of `count` arena rows with longest context
@@ -236,7 +263,8 @@ class CompiledDecode:
         graphs are taken."""
         if self._built is None and not self._take():
             return False
-        return 1 <= count <= self.max_rows and 2 <= width < capacity and arena_rows >= 2
+        return (1 <= count <= self.max_rows and 2 <= width < capacity and arena_rows >= 2
+                and self._use[0 if count == 1 else 1])
 
     def __call__(self, *args) -> torch.Tensor:
         if self._built is None:
@@ -252,15 +280,42 @@ class CompiledDecode:
         return hidden
 
     def _take(self) -> bool:
-        """Install the built graphs once they are there (on the calling thread, between steps)."""
+        """Install the built graphs once they are there (on the calling thread, between steps),
+        where there is a speed trial once it is done: each call runs one more of its calls."""
         if self._built is not None:
             return True
         if not self.future.done() or self.future.exception() is not None:
             return False
         built = self.future.result()
+        if built.trial_inputs and not self._measured(built):
+            return False
         self.row_head = built.row_head
         self._built = built
-        _log.info("compiled decode: active, %.1f s after the build started", time.perf_counter() - self._started)
+        _log.info("compiled decode: %s, %.1f s after the build started", self.state, time.perf_counter() - self._started)
+        return True
+
+    def _measured(self, built: BuiltDecode) -> bool:
+        """Run the next call of the speed trial on `built.trial_inputs`; True once it is done
+        (`_use` and `verdict` then hold its verdict, logged once)."""
+        if self._trial is None:
+            labels = ("1 row", f"2-{self.max_rows} rows")[:len(built.trial_inputs)]
+            self._trial = SpeedTrial(self.eager, lambda *args: call_compiled(built.step, *args),
+                                     built.trial_inputs, labels)
+        counts = self._thread_counts
+        threads = torch.get_num_threads() if not counts or torch.get_num_threads() in counts else counts[0]
+        try:
+            with torch.inference_mode(), intra_op_threads(threads):   # as the graphs were built
+                self._trial.step()
+        except Exception as exc:  # noqa: BLE001 -- a trial that cannot run leaves the eager step serving
+            self.verdict = TrialVerdict((False,) * len(built.trial_inputs),
+                                        f"the eager step stays: the speed trial failed: {type(exc).__name__}: {exc}")
+        else:
+            if not self._trial.done:
+                return False
+            self.verdict = self._trial.verdict()
+        use = self.verdict.use_compiled
+        self._use = (use[0], use[-1])   # one graph only where max_rows is 1: no step has more rows
+        _log.info("compiled decode: %s", self.verdict.reason)
         return True
 
     def _build(self, builder: DecodeBuilder, spec: GraphSpec) -> None:

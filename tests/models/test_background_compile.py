@@ -5,8 +5,10 @@ the build ends; it hands the eager function back as the "compiled" one."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 
 import httpx
 import pytest
@@ -114,3 +116,31 @@ def test_auto_is_decided_at_build_time(model_dir, caplog):
     assert engine.runner.fast.compiled is None and engine.config.compile_decode == "off"
     [line] = [r.message for r in caplog.records if r.message.startswith("compiled decode:")]
     assert "auto: eager" in line and "float32" in line
+
+
+class SlowerBuilder:
+    """Hands back a "compiled" step slower than the eager one, with its inputs to be measured on
+    (as InductorBuilder does under auto)."""
+
+    def build(self, decode_fn, spec: GraphSpec) -> BuiltDecode:
+        from kvsplice.models.compiled_decode import _warm_up
+
+        def slower(*args):
+            time.sleep(0.02)
+            return decode_fn(*args)
+
+        return BuiltDecode(slower, trial_inputs=_warm_up(decode_fn, spec))
+
+
+def test_a_compiled_step_that_measures_slower_leaves_the_eager_step(model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="kvsplice.models.compiled_decode"):
+        engine = build_engine(_config(model_dir), decode_builder=SlowerBuilder())
+    compiled = engine.runner.fast.compiled
+    assert compiled.state == "eager" and compiled.verdict.use_compiled == (False, False)
+    [line] = [r.message for r in caplog.records if "measured on the live model" in r.message]
+    assert line.startswith("compiled decode: the eager step stays (not 5% faster)")
+    expected = LLM(engine=build_engine(dataclasses.replace(_config(model_dir), compile_decode="off")))
+    prompts = [list(range(5, 20)), list(range(7, 30))]
+    assert [r.token_ids for r in LLM(engine=engine).generate(prompts, GREEDY)] == \
+        [r.token_ids for r in expected.generate(prompts, GREEDY)]
+    assert compiled.compiled_steps == 0 and compiled.fallbacks == 0

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvsplice.models.compile_choice import (choose_compile_decode, compile_cache_dir, compile_cache_key,
-                                            cpu_identity, model_identity, read_cpu_flags)
+from kvsplice.models.compile_choice import (TRIAL_CALLS, SpeedTrial, choose_compile_decode, compile_cache_dir,
+                                            compile_cache_key, cpu_identity, model_identity, read_cpu_flags)
 
 AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 FIT = dict(cpu_flags=AMX, compiler="/usr/bin/g++", weight_format="int4", dtype="bfloat16", fast_path=None)
@@ -64,3 +64,56 @@ def test_the_cache_key_changes_with_each_input():
                (*base[:3], cpu_identity("AVX512", AMX - {"amx_bf16"}))]
     assert len({key, *(compile_cache_key(*inputs) for inputs in changed)}) == len(changed) + 1
     assert compile_cache_dir(Path("/c"), key) == Path("/c/inductor") / key
+
+
+class _Clock:
+    """A clock the timed calls advance: each step costs what it is told to."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, cost: float):
+        def call(*args):
+            self.now += cost
+        return call
+
+
+def _trial(eager_cost: float, compiled_costs: tuple[float, ...], failing: int | None = None) -> SpeedTrial:
+    clock = _Clock()
+    compiled = [clock.step(cost) for cost in compiled_costs]
+
+    def compiled_step(graph, *args):
+        if graph == failing:
+            raise RuntimeError("refused")
+        compiled[graph]()
+
+    trial = SpeedTrial(lambda graph, *args: clock.step(eager_cost)(), compiled_step,
+                       [(graph,) for graph in range(len(compiled_costs))], ["1 row", "2-8 rows"], clock=clock)
+    while not trial.done:
+        trial.step()
+    return trial
+
+
+def test_the_speed_trial_switches_in_only_graphs_faster_by_the_margin():
+    verdict = _trial(10.0, (8.0, 9.8)).verdict()
+    assert verdict.use_compiled == (True, False)
+    assert "1 row: compiled 8000.0 ms against eager 10000.0 ms (0.80x): compiled" in verdict.reason
+    assert "(0.98x): eager" in verdict.reason
+    assert _trial(10.0, (7.0, 7.0)).verdict().reason.startswith("the compiled step serves;")
+    slower = _trial(10.0, (12.0, 10.0)).verdict()
+    assert slower.use_compiled == (False, False) and slower.reason.startswith("the eager step stays (not 5% faster)")
+
+
+def test_a_compiled_call_that_fails_leaves_its_graph_eager():
+    trial = _trial(10.0, (8.0, 8.0), failing=1)
+    verdict = trial.verdict()
+    assert verdict.use_compiled == (True, False) and "the compiled call failed: RuntimeError: refused" in verdict.reason
+    assert len(trial.times[(0, "compiled")]) == TRIAL_CALLS   # the first round is not timed
+
+
+def test_a_speed_trial_needs_a_label_per_input():
+    with pytest.raises(ValueError):
+        SpeedTrial(print, print, [(1,)], ["a", "b"])

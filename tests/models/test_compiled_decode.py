@@ -227,3 +227,22 @@ def test_steps_beside_the_prefill_lane_run_eagerly(decoders):
     with torch.inference_mode():
         fast.final_hidden(batch, pool, arena, allow_compiled=False)
     assert fast.compiled.compiled_steps == before
+
+
+def test_auto_times_the_built_graphs_against_the_eager_step(model_dir, caplog):
+    """auto, where this machine's facts allow compiling: the graphs (inductor's, from its cache by
+    now) are switched in only after the speed trial, whose verdict is logged once."""
+    import logging
+
+    from kvsplice.models.compile_choice import read_cpu_flags
+
+    if not read_cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        pytest.skip("auto stays eager without native bf16")
+    with caplog.at_level(logging.INFO, logger="kvsplice.models.compiled_decode"):
+        engine = build_engine(EngineConfig(model=model_dir, dtype="bfloat16", weight_format="auto", num_slots=2048,
+                                           compile_decode="auto"))
+    compiled = engine.runner.fast.compiled
+    assert compiled.verdict is not None and compiled.state == ("active" if any(compiled.verdict.use_compiled) else "eager")
+    assert [r.message for r in caplog.records].count(f"compiled decode: {compiled.verdict.reason}") == 1
+    [out] = LLM(engine=engine).generate([list(range(5, 20))], GREEDY)
+    assert len(out.token_ids) == GREEDY.max_tokens and compiled.fallbacks == 0
