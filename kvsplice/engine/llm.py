@@ -141,6 +141,8 @@ def _fast_path_missing(config: EngineConfig, model_config: ModelConfig) -> str |
         return "--no-fast-path"
     if not FastDecoder.supports(model_config):
         return f"{model_config.model_type} is not an attention-only model the fast path runs"
+    if FastDecoder.compile_refusal(model_config):
+        return f"the compiled step does not run {model_config.model_type} ({FastDecoder.compile_refusal(model_config)})"
     if not config.decode_arena_tokens:
         return "the DecodeArena is off (--decode-arena-tokens 0)"
     if str(config.device) != "cpu":
