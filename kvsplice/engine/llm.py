@@ -31,7 +31,7 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.default_model import cache_dir, resolve_model
 from kvsplice.models.fast_decode import FastDecoder
-from kvsplice.models.loader import load_checkpoint, resolve_dtype
+from kvsplice.models.loader import load_checkpoint, load_gguf_blocks, resolve_dtype
 from kvsplice.models.quantize import WeightFormat, resolve_weight_format
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
@@ -98,6 +98,8 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     model_config = ModelConfig.from_hf_config(ckpt.hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)
+    if config.weight_format == "gguf" and ckpt.source_path.lower().endswith(".gguf"):
+        model.gguf_blocks = load_gguf_blocks(ckpt.source_path, ckpt.hf_config)
     model.to(config.device).eval()
     if choice.enabled:
         weight_format = resolve_weight_format(config.weight_format, model)

@@ -56,6 +56,7 @@ from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention
 from kvsplice.layers.block_int8_head import BlockInt8Head
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
+from kvsplice.layers.gguf_linear import GGUFPlanesLinear
 from kvsplice.layers.mlp import ACTIVATIONS
 from kvsplice.layers.quant_linear import PackedLinear
 from kvsplice.layers.rotary import LayerRotaries, Rotary
@@ -63,6 +64,12 @@ from kvsplice.models.compiled_decode import CompiledDecode, DecodeBuilder, Graph
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.utils.thread_policy import ThreadPolicy
+
+
+# `--weight-format gguf`: rows up to this many multiply the GGUF blocks' int4 planes, more rows the
+# dense copy (the kernel dequantizes per row; on Gemma 3 270M's head, one row on the planes was
+# faster than the bf16 matmul, more rows slower: benchmarks/gemma3.py)
+GGUF_PLANE_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -168,14 +175,20 @@ class FastDecoder:
         # sqrt(hidden) rounded to the model dtype, as the Decoder (and transformers) multiply
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=self.embed.dtype)
                             if cfg.scaled_embeddings else None)
-        self.layers = [self._fast_layer(layer, weight_format, rope_index[i], cfg.layer_window(i))
+        self.gguf_blocks = model.gguf_blocks if weight_format == "gguf" else {}
+        self.layers = [self._fast_layer(i, layer, weight_format, rope_index[i], cfg.layer_window(i))
                        for i, layer in enumerate(model.model.layers)]
         self.windows = sorted({layer.window for layer in self.layers if layer.window is not None})
         self.final_norm = self._norm_weight(model.model.norm.weight)
         head_format = lm_head_format or weight_format
         # a dense (possibly tied) lm_head is used as it is; a packed one has its own dense copy
-        self.lm_head = (PackedLinear.build([model.lm_head.weight], [None], "dense") if head_format == "dense"
-                        else _fuse([model.lm_head], head_format))
+        if head_format in ("dense", "gguf"):
+            self.lm_head = PackedLinear.build([model.lm_head.weight], [None], "dense")
+        else:
+            self.lm_head = _fuse([model.lm_head], head_format)
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        if head_format == "gguf" and head_name in model.gguf_blocks:
+            self.lm_head = GGUFPlanesLinear([model.gguf_blocks[head_name]], self.lm_head, GGUF_PLANE_ROWS)
         self.eps = cfg.rms_norm_eps
         self.q_width = cfg.num_heads * cfg.head_dim
         self.scale = cfg.attention_scale
@@ -222,21 +235,36 @@ class FastDecoder:
         ZeroCenteredRMSNorm does)."""
         return doubled_weight(1.0 + weight.detach().float() if self.cfg.norm_zero_centered else weight)
 
-    def _fast_layer(self, layer, fmt: str, rope: int, window: Optional[int]) -> FastLayer:
+    def _fast_layer(self, layer_id: int, layer, fmt: str, rope: int, window: Optional[int]) -> FastLayer:
         attn, mlp = layer.self_attn, layer.mlp
         sandwich = self.cfg.sandwich_norms
+
+        def fused(prefix: str, module, names: tuple[str, ...]):
+            return self._fused([getattr(module, name) for name in names],
+                               [f"model.layers.{layer_id}.{prefix}.{name}.weight" for name in names], fmt)
+
         return FastLayer(
             input_norm=self._norm_weight(layer.input_layernorm.weight),
-            qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], fmt),
+            qkv=fused("self_attn", attn, ("q_proj", "k_proj", "v_proj")),
             q_norm=self._norm_weight(attn.q_norm.weight) if attn.qk_norm else None,
             k_norm=self._norm_weight(attn.k_norm.weight) if attn.qk_norm else None,
-            o_proj=_fuse([attn.o_proj], fmt),
+            o_proj=fused("self_attn", attn, ("o_proj",)),
             post_norm=self._norm_weight(layer.post_attention_layernorm.weight),
-            gate_up=_fuse([mlp.gate_proj, mlp.up_proj], fmt),
-            down=_fuse([mlp.down_proj], fmt),
+            gate_up=fused("mlp", mlp, ("gate_proj", "up_proj")),
+            down=fused("mlp", mlp, ("down_proj",)),
             pre_ffn_norm=self._norm_weight(layer.pre_feedforward_layernorm.weight) if sandwich else None,
             post_ffn_norm=self._norm_weight(layer.post_feedforward_layernorm.weight) if sandwich else None,
             rope=rope, window=window)
+
+    def _fused(self, linears: list[nn.Linear], names: list[str], fmt: str):
+        """`_fuse(linears, fmt)`; for "gguf", the fused dense copy with the GGUF blocks of `names`
+        for few rows (a GGUFPlanesLinear), where the checkpoint has them all."""
+        if fmt != "gguf":
+            return _fuse(linears, fmt)
+        dense = _fuse(linears, "dense")
+        if not all(name in self.gguf_blocks for name in names):
+            return dense
+        return GGUFPlanesLinear([self.gguf_blocks[name] for name in names], dense, GGUF_PLANE_ROWS)
 
     def _compile(self, threads: ThreadPolicy, head_blocks, builder: DecodeBuilder | None) -> CompiledDecode:
         """The compiled decode step at the thread counts `threads` runs decode steps at, and the row

@@ -380,6 +380,30 @@ def test_real_gguf_fast_path_equals_the_reference_path():
     assert difference <= 1e-3 and fast.token_ids == reference.token_ids
 
 
+def test_gguf_weight_format_needs_gguf_blocks(tiny):
+    from kvsplice.models.quantize import resolve_weight_format
+
+    _, ours, _ = tiny
+    with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
+        resolve_weight_format("gguf", ours)
+
+
+@pytest.mark.slow
+def test_real_gguf_blocks_decode_as_the_dense_weights_do():
+    """--weight-format gguf (bf16): decode rows on the GGUF blocks' planes give the dense bf16
+    model's greedy text, logprobs within the planes' rounding."""
+    path = _real_gguf()
+    outs = {}
+    for fmt in ("dense", "gguf"):
+        llm = LLM(model=str(path), dtype="bfloat16", weight_format=fmt, max_batch_tokens=256)
+        assert llm.engine.runner.weight_format.projections == fmt
+        ids = llm.tokenizer.encode("The river runs past the old mill. " * 40)[:300]
+        outs[fmt] = llm.generate(ids, SamplingParams(max_tokens=12, temperature=0, logprobs=0))[0]
+        del llm
+    assert outs["gguf"].token_ids == outs["dense"].token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(outs["gguf"].logprobs, outs["dense"].logprobs)) <= 0.05
+
+
 @pytest.mark.parametrize("raw", [
     dict(rope_theta=500_000.0, rope_local_base_freq=20_000.0, sliding_window=64),
     dict(layer_types=LAYER_TYPES[:4], num_hidden_layers=4, query_pre_attn_scalar=48, final_logit_softcapping=30.0),
