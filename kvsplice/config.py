@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvsplice.cache.disk_tier import DiskTierConfig
 from kvsplice.reuse.config import ReuseConfig
 
-WEIGHT_FORMAT_CHOICES = ("auto", "dense", "int8", "int4")
+WEIGHT_FORMAT_CHOICES = ("auto", "dense", "int8", "int4", "gguf")
 COMPILE_DECODE_CHOICES = ("auto", "on", "off")
 
 
@@ -31,7 +31,8 @@ class EngineConfig:
         natively (avx512_bf16 / amx_bf16), float32 elsewhere (`kvsplice.engine.llm.resolve_auto_dtype`).
     weight_format: "auto" | "dense" | "int8" | "int4" (`kvsplice.models.quantize`): the form of
         the projection and lm_head weights; "auto" uses int4 only where the checkpoint already
-        is int4 data (a GGUF Q4_0 / Q4_1) and the activations are bf16.
+        is int4 data (a GGUF Q4_0 / Q4_1) and the activations are bf16; "gguf": a GGUF's own
+        blocks for decode rows (bf16).
     fast_path: run eligible models through `kvsplice.models.fast_decode.FastDecoder` (fused,
         packed, decode over the DecodeArena); False: the reference Decoder for every step.
     compile_decode: "on": compile the fast path's decode-only steps with torch.compile

@@ -31,7 +31,7 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.default_model import cache_dir, resolve_model
 from kvsplice.models.fast_decode import FastDecoder
-from kvsplice.models.loader import load_checkpoint, resolve_dtype
+from kvsplice.models.loader import load_checkpoint, load_gguf_blocks, resolve_dtype
 from kvsplice.models.quantize import WeightFormat, resolve_weight_format
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
@@ -99,6 +99,8 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     model_config = ModelConfig.from_hf_config(ckpt.hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)
+    if config.weight_format == "gguf" and ckpt.source_path.lower().endswith(".gguf"):
+        model.gguf_blocks = load_gguf_blocks(ckpt.source_path, ckpt.hf_config)
     model.to(config.device).eval()
     if choice.enabled:
         weight_format = resolve_weight_format(config.weight_format, model)
@@ -143,6 +145,8 @@ def _fast_path_missing(config: EngineConfig, model_config: ModelConfig) -> str |
         return "--no-fast-path"
     if not FastDecoder.supports(model_config):
         return f"{model_config.model_type} is not an attention-only model the fast path runs"
+    if FastDecoder.compile_refusal(model_config):
+        return f"the compiled step does not run {model_config.model_type} ({FastDecoder.compile_refusal(model_config)})"
     if not config.decode_arena_tokens:
         return "the DecodeArena is off (--decode-arena-tokens 0)"
     if str(config.device) != "cpu":

@@ -192,3 +192,62 @@ def linear_from_gguf(reader, name: str, bias_name: Optional[str] = None, **optio
     if bias_name is not None:
         bias = torch.from_numpy(tensors[bias_name].data.astype("float32").copy())
     return GGUFLinear.from_reader_tensor(tensors[name], bias, **options)
+
+
+def stack_grouped(parts: list[GroupedWeight]) -> GroupedWeight:
+    """`parts` of one block format side by side as one weight (rows concatenated)."""
+    fmt = parts[0].fmt
+    if any(part.fmt != fmt for part in parts):
+        raise ValueError("only weights of one block format stack")
+    offsets = None if parts[0].offsets is None else torch.cat([part.offsets for part in parts])
+    return GroupedWeight(fmt, torch.cat([part.values for part in parts]), torch.cat([part.scales for part in parts]),
+                         offsets)
+
+
+class GGUFPlanesLinear:
+    """A fused projection (weights side by side, as `PackedLinear.build` fuses them) whose few-row
+    products run on the GGUF blocks' int4 planes and whose larger ones on `dense` (a dense
+    PackedLinear of the same weights in the model dtype, the copy the reference path computes
+    with). Adjacent parts of one block format share one set of planes (one kernel call per
+    plane); a part whose format has no planes (Q6_K: groups of 16) sends every product to
+    `dense`. Each planed weight is off the dense one by the bound in the module docstring.
+
+        q (Q5_0) | k (Q5_0) | v (Q8_0)   ->   planes of [q | k] (2), planes of v (2), outputs side by side
+    """
+
+    def __init__(self, parts: list[GroupedWeight], dense, small_batch_rows: int = SMALL_BATCH_ROWS,
+                 kernel_dtype: torch.dtype = torch.bfloat16):
+        runs: list[list[GroupedWeight]] = []
+        for part in parts:
+            if runs and runs[-1][0].fmt == part.fmt:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        stacked = [stack_grouped(run) for run in runs]
+        planable = all(g.fmt.name in _VALUE_BITS and g.shape[0] % KERNEL_ROWS == 0 for g in stacked)
+        self.planes = tuple(int4_planes(g, _VALUE_BITS[g.fmt.name], kernel_dtype) for g in stacked) if planable else ()
+        self.dense, self.small_batch_rows = dense, small_batch_rows
+        self.weight, self.bias = dense.weight, dense.bias
+        self.packed = None   # (what the compiled decode step reads: it takes PackedLinears only)
+
+    @property
+    def out_features(self) -> int:
+        return self.dense.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.planes or x.shape[0] > self.small_batch_rows:
+            return self.dense(x)
+        dtype = self.planes[0][0].scales_zeros.dtype
+        xk = (x if x.dtype is dtype else x.to(dtype)).contiguous()
+        outputs = []
+        for planes in self.planes:
+            y = None
+            for plane in planes:
+                part = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, plane.packed, INT4_KERNEL_GROUP,
+                                                                  plane.scales_zeros)
+                y = part.float() if y is None else y.add_(part.float())
+            outputs.append(y)
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)

@@ -44,6 +44,7 @@ from kvsplice.layers.attention import paged_attention, store_kv
 from kvsplice.layers.block_int8_head import Int8Blocks
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.gated_deltanet import GatedDeltaNet
+from kvsplice.layers.gguf_blocks import GroupedWeight
 from kvsplice.layers.mlp import GatedMLP
 from kvsplice.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from kvsplice.layers.quant_linear import BucketedLinear
@@ -186,6 +187,9 @@ class Decoder(nn.Module):
         # the lm_head as the checkpoint stores it, when that is int8 blocks (a GGUF Q8_0 head):
         # the exact weights the model-dtype lm_head rounds; the fast path's one-row head reads them
         self.head_blocks: Optional[Int8Blocks] = None
+        # the checkpoint's GGUF blocks by parameter name, for `--weight-format gguf` (the fast path
+        # multiplies few rows with them); empty unless the loader was asked for them
+        self.gguf_blocks: dict[str, GroupedWeight] = {}
 
     @staticmethod
     def from_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> "Decoder":

@@ -16,17 +16,28 @@ Per layer, T rows (decode rows first):
 
     h -> rms_norm -> qkv -> [q | k | v] -> rope(q, k) -> pool[out_slots] <- k, v
                                             decode rows:  arena[row, pos] <- k, v; SDPA over arena rows
-                                            other rows:   paged_attention_reference (planned once)
-      -> o_proj + h -> rms_norm -> gate|up -> silu(gate) * up -> down + h
+                                            other rows:   planned_attention (planned once per forward)
+      -> o_proj + h -> rms_norm -> gate|up -> act(gate) * up -> down + h
+
+Gemma 3 (sandwich norms) norms the attention and the MLP outputs too, with (1 + weight) norms:
+
+      -> norm(o_proj) + h -> norm -> gate|up -> gelu_tanh(gate) * up -> norm(down) + h
+
+A sliding-window layer of width W reads only the window: its decode rows read the arena columns
+from min(lengths) - W on, and a prefill chunk is cut into blocks of W queries, each over the
+context positions (first - W, last] of its block, so its cost grows with the window, not with
+the context.
 
 With `compile_decode`, a batch of arena decode rows only runs instead as one compiled graph of
 `arena_decode_hidden` (kvsplice.models.compiled_decode); this eager path stays its reference. And
 where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head), one row's logits come
 from those blocks by a compiled loop (kvsplice.layers.block_int8_head); more rows use the dense head.
 
-Eligible models (`FastDecoder.supports`): every layer full attention without a sliding window or
-output gate, full-width RoPE, plain RMSNorm; optional q/k norm (qwen3) and biases. Others (the
-hybrids, Gemma 3: `FastDecoder.refusal` says why) use the Decoder for every batch.
+Eligible models (`FastDecoder.supports`): every layer attention (full or sliding window) without
+an output gate, full-width RoPE (one, or one per layer: Gemma 3); optional q/k norm (qwen3,
+Gemma 3), biases, zero-centred norms, sandwich norms, scaled embeddings, a GELU-tanh MLP, logit
+softcapping. Others (the hybrids: `FastDecoder.refusal` says why) use the Decoder for every batch.
+The compiled decode step takes the plain models only (`FastDecoder.compile_refusal`).
 """
 
 from __future__ import annotations
@@ -41,15 +52,24 @@ from torch.nn import functional as F
 from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
-                                      paged_attention_reference, plan_sequences)
+                                      plan_sequence, planned_attention)
 from kvsplice.layers.block_int8_head import BlockInt8Head
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
+from kvsplice.layers.gguf_linear import GGUFPlanesLinear
+from kvsplice.layers.mlp import ACTIVATIONS
 from kvsplice.layers.quant_linear import PackedLinear
+from kvsplice.layers.rotary import LayerRotaries, Rotary
 from kvsplice.models.compiled_decode import CompiledDecode, DecodeBuilder, GraphSpec
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.utils.thread_policy import ThreadPolicy
+
+
+# `--weight-format gguf`: rows up to this many multiply the GGUF blocks' int4 planes, more rows the
+# dense copy (the kernel dequantizes per row; on Gemma 3 270M's head, one row on the planes was
+# faster than the bf16 matmul, more rows slower: benchmarks/gemma3.py)
+GGUF_PLANE_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,8 @@ class DecodeStep:
     """The arena decode rows of one forward: rows 0..count-1 of the batch and of the arena, at
     `positions`; the longest context `width`, the length mask (None when all are `width`), the
     arena's K/V views of those rows per layer (`DecodeArena.step_views`), and whether the batch
-    is these rows only (`only`: no slicing of the rows in every layer)."""
+    is these rows only (`only`: no slicing of the rows in every layer). Sliding-window layers
+    read the columns from `window_start` on, masked by `window_mask` (None: all visible)."""
 
     count: int
     rows: torch.Tensor
@@ -67,12 +88,25 @@ class DecodeStep:
     k_rows: tuple[torch.Tensor, ...]
     v_rows: tuple[torch.Tensor, ...]
     only: bool
+    window_start: int = 0
+    window_mask: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class PlannedRows:
+    """Rows `rows` of the batch (one request's queries, or a block of them) and their plan."""
+
+    rows: slice
+    plan: SequencePlan
 
 
 @dataclass(frozen=True)
 class FastLayer:
     """One decoder layer's weights as the fast path uses them (norm weights doubled, see
-    `rms_norm_via_layer_norm`)."""
+    `rms_norm_via_layer_norm`; zero-centred ones as 1 + weight in fp32). `post_norm` norms the
+    MLP input, or with sandwich norms the attention output (then `pre_ffn_norm` norms the MLP
+    input and `post_ffn_norm` its output). `rope`: the index of this layer's RoPE among the
+    model's distinct ones; `window`: its sliding window (None: full attention)."""
 
     input_norm: torch.Tensor
     qkv: PackedLinear
@@ -82,6 +116,10 @@ class FastLayer:
     post_norm: torch.Tensor
     gate_up: PackedLinear
     down: PackedLinear
+    pre_ffn_norm: Optional[torch.Tensor] = None
+    post_ffn_norm: Optional[torch.Tensor] = None
+    rope: int = 0
+    window: Optional[int] = None
 
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,18 +164,35 @@ class FastDecoder:
         cfg = model.cfg
         if not self.supports(cfg):
             raise ValueError(f"{cfg.model_type}: the fast path needs an attention-only model without "
-                             "sliding windows, output gates or partial rotary")
+                             f"output gates or partial rotary ({self.refusal(cfg)})")
         self.cfg, self.rotary = cfg, model.rotary
+        layer_rotaries = (model.rotary.layers if isinstance(model.rotary, LayerRotaries)
+                          else (model.rotary,) * cfg.num_layers)
+        # the distinct RoPEs (Gemma 3: the sliding layers' and the global ones'), tables made once each
+        self.rotaries: tuple[Rotary, ...] = tuple({id(r): r for r in layer_rotaries}.values())
+        rope_index = [self.rotaries.index(rotary) for rotary in layer_rotaries]
         self.embed = model.model.embed_tokens.weight.detach()
-        self.layers = [self._fast_layer(layer, weight_format) for layer in model.model.layers]
-        self.final_norm = doubled_weight(model.model.norm.weight)
+        # sqrt(hidden) rounded to the model dtype, as the Decoder (and transformers) multiply
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=self.embed.dtype)
+                            if cfg.scaled_embeddings else None)
+        self.gguf_blocks = model.gguf_blocks if weight_format == "gguf" else {}
+        self.layers = [self._fast_layer(i, layer, weight_format, rope_index[i], cfg.layer_window(i))
+                       for i, layer in enumerate(model.model.layers)]
+        self.windows = sorted({layer.window for layer in self.layers if layer.window is not None})
+        self.final_norm = self._norm_weight(model.model.norm.weight)
         head_format = lm_head_format or weight_format
         # a dense (possibly tied) lm_head is used as it is; a packed one has its own dense copy
-        self.lm_head = (PackedLinear.build([model.lm_head.weight], [None], "dense") if head_format == "dense"
-                        else _fuse([model.lm_head], head_format))
+        if head_format in ("dense", "gguf"):
+            self.lm_head = PackedLinear.build([model.lm_head.weight], [None], "dense")
+        else:
+            self.lm_head = _fuse([model.lm_head], head_format)
+        head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        if head_format == "gguf" and head_name in model.gguf_blocks:
+            self.lm_head = GGUFPlanesLinear([model.gguf_blocks[head_name]], self.lm_head, GGUF_PLANE_ROWS)
         self.eps = cfg.rms_norm_eps
         self.q_width = cfg.num_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        self.act = ACTIVATIONS[cfg.hidden_act]
         threads = threads or ThreadPolicy.from_config(None)
         # one row's logits from the checkpoint's own int8 blocks (a GGUF Q8_0 head), compiled with
         # the decode step: with compile_decode only (kvsplice.layers.block_int8_head)
@@ -151,40 +206,74 @@ class FastDecoder:
 
     @staticmethod
     def supports(cfg: ModelConfig) -> bool:
-        """True when every layer is plain full attention that this path implements."""
+        """True when every layer is attention of a kind this path implements."""
         return FastDecoder.refusal(cfg) is None
 
     @staticmethod
     def refusal(cfg: ModelConfig) -> str | None:
         """What in `cfg` this path does not implement (None: it runs the model)."""
         reasons = {"linear-attention layers": cfg.is_hybrid, "an attention output gate": cfg.attn_output_gate,
-                   "zero-centred norms": cfg.norm_zero_centered, "partial rotary": cfg.rope.rotary_dim != cfg.head_dim,
-                   "sliding windows": any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)),
-                   "a RoPE per layer": bool(cfg.layer_ropes), "sandwich norms": cfg.sandwich_norms,
-                   "scaled embeddings": cfg.scaled_embeddings, "a non-SiLU MLP": cfg.hidden_act != "silu",
-                   "logit softcapping": cfg.final_logit_softcapping is not None,
-                   "an attention scale other than head_dim^-0.5": cfg.attention_scale != cfg.head_dim ** -0.5}
+                   "partial rotary": any(cfg.layer_rope(i).rotary_dim != cfg.head_dim for i in range(cfg.num_layers)),
+                   "an unknown MLP activation": cfg.hidden_act not in ACTIVATIONS}
         found = [reason for reason, present in reasons.items() if present]
         return ", ".join(found) if found else None
 
     @staticmethod
-    def _fast_layer(layer, fmt: str) -> FastLayer:
+    def compile_refusal(cfg: ModelConfig) -> str | None:
+        """What in `cfg` the compiled decode step (`arena_decode_hidden`) does not implement, on top
+        of `refusal` (None: it compiles the model)."""
+        reasons = {"sliding windows": any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)),
+                   "a RoPE per layer": bool(cfg.layer_ropes), "sandwich norms": cfg.sandwich_norms,
+                   "scaled embeddings": cfg.scaled_embeddings,
+                   "logit softcapping": cfg.final_logit_softcapping is not None}
+        found = [reason for reason, present in reasons.items() if present]
+        return FastDecoder.refusal(cfg) or (", ".join(found) if found else None)
+
+    def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The doubled weight `rms_norm_via_layer_norm` takes for an RMSNorm of `weight`: a zero-centred
+        norm's as 1 + weight in fp32 (its product is computed in fp32 and rounded once, as
+        ZeroCenteredRMSNorm does)."""
+        return doubled_weight(1.0 + weight.detach().float() if self.cfg.norm_zero_centered else weight)
+
+    def _fast_layer(self, layer_id: int, layer, fmt: str, rope: int, window: Optional[int]) -> FastLayer:
         attn, mlp = layer.self_attn, layer.mlp
+        sandwich = self.cfg.sandwich_norms
+
+        def fused(prefix: str, module, names: tuple[str, ...]):
+            return self._fused([getattr(module, name) for name in names],
+                               [f"model.layers.{layer_id}.{prefix}.{name}.weight" for name in names], fmt)
+
         return FastLayer(
-            input_norm=doubled_weight(layer.input_layernorm.weight),
-            qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], fmt),
-            q_norm=doubled_weight(attn.q_norm.weight) if attn.qk_norm else None,
-            k_norm=doubled_weight(attn.k_norm.weight) if attn.qk_norm else None,
-            o_proj=_fuse([attn.o_proj], fmt),
-            post_norm=doubled_weight(layer.post_attention_layernorm.weight),
-            gate_up=_fuse([mlp.gate_proj, mlp.up_proj], fmt),
-            down=_fuse([mlp.down_proj], fmt))
+            input_norm=self._norm_weight(layer.input_layernorm.weight),
+            qkv=fused("self_attn", attn, ("q_proj", "k_proj", "v_proj")),
+            q_norm=self._norm_weight(attn.q_norm.weight) if attn.qk_norm else None,
+            k_norm=self._norm_weight(attn.k_norm.weight) if attn.qk_norm else None,
+            o_proj=fused("self_attn", attn, ("o_proj",)),
+            post_norm=self._norm_weight(layer.post_attention_layernorm.weight),
+            gate_up=fused("mlp", mlp, ("gate_proj", "up_proj")),
+            down=fused("mlp", mlp, ("down_proj",)),
+            pre_ffn_norm=self._norm_weight(layer.pre_feedforward_layernorm.weight) if sandwich else None,
+            post_ffn_norm=self._norm_weight(layer.post_feedforward_layernorm.weight) if sandwich else None,
+            rope=rope, window=window)
+
+    def _fused(self, linears: list[nn.Linear], names: list[str], fmt: str):
+        """`_fuse(linears, fmt)`; for "gguf", the fused dense copy with the GGUF blocks of `names`
+        for few rows (a GGUFPlanesLinear), where the checkpoint has them all."""
+        if fmt != "gguf":
+            return _fuse(linears, fmt)
+        dense = _fuse(linears, "dense")
+        if not all(name in self.gguf_blocks for name in names):
+            return dense
+        return GGUFPlanesLinear([self.gguf_blocks[name] for name in names], dense, GGUF_PLANE_ROWS)
 
     def _compile(self, threads: ThreadPolicy, head_blocks, builder: DecodeBuilder | None) -> CompiledDecode:
         """The compiled decode step at the thread counts `threads` runs decode steps at, and the row
         head of `head_blocks` at its counts, built by `builder` in the background (see
         kvsplice.models.compiled_decode). It needs packed projections: the dense ones call oneDNN's
         prepacked weights, which inductor cannot trace."""
+        refused = self.compile_refusal(self.cfg)
+        if refused is not None:
+            raise ValueError(f"--compile-decode does not run {self.cfg.model_type} ({refused}); leave it off")
         linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         if any(linear.packed is None for linear in linears):
             raise ValueError("--compile-decode needs int4 or int8 projections (--weight-format int4|int8|auto "
@@ -215,14 +304,20 @@ class FastDecoder:
             hidden = self.compiled(batch.input_ids, batch.positions, batch.out_slots, mask,
                                    pool.k, pool.v, arena.k, arena.v)
             return hidden[batch.logit_rows]
-        hidden = F.embedding(batch.input_ids, self.embed)
-        cos, sin_signed = _rope_tables(*self.rotary.cos_sin(batch.positions))
+        hidden = self._embed(batch.input_ids)
+        tables = [_rope_tables(*rotary.cos_sin(batch.positions)) for rotary in self.rotaries]
         decode = self._decode_step(batch, arena)
-        plans = plan_sequences(batch, pool, self.embed.dtype,   # once, not in every layer
-                               group=self.cfg.num_heads // self.cfg.num_kv_heads)
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        # once, not in every layer: the full layers' plans, and each window's
+        plans = {window: plan_rows(batch, pool, self.embed.dtype, group, window) for window in [None, *self.windows]}
         for layer_id, layer in enumerate(self.layers):
-            hidden = self._layer(layer_id, layer, hidden, cos, sin_signed, batch, pool, arena, decode, plans)
+            hidden = self._layer(layer_id, layer, hidden, tables[layer.rope], batch, pool, arena, decode,
+                                 plans[layer.window])
         return rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def arena_decode_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                             mask: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
@@ -265,15 +360,16 @@ class FastDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of `final_hidden`'s rows (the lm_head): one row on `row_head` where there is
         one (the checkpoint's exact weights), more rows on the dense head (those weights in the model
-        dtype)."""
+        dtype); softcapped where the model says (tanh(logits / cap) cap)."""
         if self.row_head is not None and self.row_head.covers(hidden):
             logits = self.row_head(hidden)
             if logits is not None:
                 return logits
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    @staticmethod
-    def _decode_step(batch: ForwardBatch, arena: Optional[DecodeArena]) -> Optional[DecodeStep]:
+    def _decode_step(self, batch: ForwardBatch, arena: Optional[DecodeArena]) -> Optional[DecodeStep]:
         """What every layer needs to know of the arena decode rows, or None without any."""
         count = batch.arena_rows
         if count == 0:
@@ -284,16 +380,25 @@ class FastDecoder:
         width = max(lengths)
         mask = None if min(lengths) == width else length_mask(torch.tensor(lengths), width)
         k_rows, v_rows = arena.step_views(count, width)
+        window_start, window_mask = 0, None
+        if self.windows:
+            window_start, window_mask = window_columns(lengths, self._single_window())
         return DecodeStep(count, torch.arange(count), batch.positions[:count], width, mask, k_rows, v_rows,
-                          only=not batch.seqs and count == batch.input_ids.shape[0])
+                          only=not batch.seqs and count == batch.input_ids.shape[0],
+                          window_start=window_start, window_mask=window_mask)
 
-    def _layer(self, layer_id: int, layer: FastLayer, hidden: torch.Tensor, cos, sin_signed,
+    def _single_window(self) -> int:
+        if len(self.windows) != 1:
+            raise ValueError(f"the fast path takes one sliding window width, not {self.windows}")
+        return self.windows[0]
+
+    def _layer(self, layer_id: int, layer: FastLayer, hidden: torch.Tensor, tables,
                batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena],
-               decode: Optional[DecodeStep], plans: tuple[SequencePlan, ...]) -> torch.Tensor:
-        q, k, v = self._qkv(layer, hidden, cos, sin_signed)
+               decode: Optional[DecodeStep], plans: tuple[PlannedRows, ...]) -> torch.Tensor:
+        q, k, v = self._qkv(layer, hidden, *tables)
         pool.k_layer(layer_id).index_copy_(0, batch.out_slots, k)
         pool.v_layer(layer_id).index_copy_(0, batch.out_slots, v)
-        attended = self._attention(layer_id, q, k, v, batch, pool, arena, decode, plans)
+        attended = self._attention(layer_id, layer, q, k, v, batch, pool, arena, decode, plans)
         return self._out_and_mlp(layer, hidden, attended)
 
     def _qkv(self, layer: FastLayer, hidden: torch.Tensor, cos, sin_signed):
@@ -311,26 +416,91 @@ class FastDecoder:
         return fast_rope(q, cos, sin_signed), fast_rope(k, cos, sin_signed), v
 
     def _out_and_mlp(self, layer: FastLayer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The rest of the layer after attention: o_proj and residual, then the gated MLP and residual."""
-        hidden = hidden + layer.o_proj(attended.reshape(hidden.shape[0], self.q_width))
-        gate_up = layer.gate_up(rms_norm_via_layer_norm(hidden, layer.post_norm, self.eps))
+        """The rest of the layer after attention: o_proj and residual, then the gated MLP and
+        residual (with sandwich norms, each output normed before it joins the residual)."""
+        out = layer.o_proj(attended.reshape(hidden.shape[0], self.q_width))
+        if layer.post_ffn_norm is None:
+            hidden = hidden + out
+            gate_up = layer.gate_up(rms_norm_via_layer_norm(hidden, layer.post_norm, self.eps))
+            width = gate_up.shape[1] // 2
+            return hidden + layer.down(self.act(gate_up[:, :width]) * gate_up[:, width:])
+        hidden = hidden + rms_norm_via_layer_norm(out, layer.post_norm, self.eps)
+        gate_up = layer.gate_up(rms_norm_via_layer_norm(hidden, layer.pre_ffn_norm, self.eps))
         width = gate_up.shape[1] // 2
-        return hidden + layer.down(F.silu(gate_up[:, :width]) * gate_up[:, width:])
+        down = layer.down(self.act(gate_up[:, :width]) * gate_up[:, width:])
+        return hidden + rms_norm_via_layer_norm(down, layer.post_ffn_norm, self.eps)
 
-    def _attention(self, layer_id: int, q, k, v, batch: ForwardBatch, pool: KVPool,
+    def _attention(self, layer_id: int, layer: FastLayer, q, k, v, batch: ForwardBatch, pool: KVPool,
                    arena: Optional[DecodeArena], decode: Optional[DecodeStep],
-                   plans: tuple[SequencePlan, ...]) -> torch.Tensor:
-        """Arena attention for the decode rows, the reference path (with `plans`) for the rest."""
+                   plans: tuple[PlannedRows, ...]) -> torch.Tensor:
+        """Arena attention for the decode rows, the planned path for the rest."""
+        k_layer, v_layer = pool.k_layer(layer_id), pool.v_layer(layer_id)
         if decode is None:
-            return paged_attention_reference(q, layer_id, batch, pool, self.scale, plans=plans)
+            return attend_planned(q, plans, k_layer, v_layer, self.scale)
         count = decode.count
         # the decode rows lead the batch (no slicing when they are all of it)
         q_rows, k_rows, v_rows = (q, k, v) if decode.only else (q[:count], k[:count], v[:count])
         arena.write(layer_id, k_rows, v_rows, decode.rows, decode.positions)
-        decoded = contiguous_decode_attention(q_rows, decode.k_rows[layer_id], decode.v_rows[layer_id],
-                                              decode.mask, self.scale)
+        keys, values, mask = decode.k_rows[layer_id], decode.v_rows[layer_id], decode.mask
+        if layer.window is not None:
+            start = decode.window_start
+            keys, values, mask = keys[:, :, start:], values[:, :, start:], decode.window_mask
+        decoded = contiguous_decode_attention(q_rows, keys, values, mask, self.scale)
         if not batch.seqs:
             return decoded
-        out = paged_attention_reference(q, layer_id, batch, pool, self.scale, plans=plans)
+        out = attend_planned(q, plans, k_layer, v_layer, self.scale)
         out[:count] = decoded
         return out
+
+
+def window_columns(lengths: list[int], window: int) -> tuple[int, Optional[torch.Tensor]]:
+    """The arena columns a sliding layer of width `window` reads for rows of `lengths` (each row's
+    own token the last): from `start` = min(lengths) - window on, and the `[B, 1, 1, width - start]`
+    mask of each row's window [length - window, length) there (None when every row sees all).
+
+        row lengths 9, 6; window 4:   columns 2 .. 8     row 0 sees 5..8, row 1 sees 2..5
+    """
+    width, start = max(lengths), max(0, min(lengths) - window)
+    if min(lengths) == width:
+        return start, None
+    columns = torch.arange(start, width)[None, :]
+    ends = torch.tensor(lengths)[:, None]
+    visible = (columns < ends) & (columns >= ends - window)
+    return start, visible[:, None, None, :]
+
+
+def plan_rows(batch: ForwardBatch, pool: KVPool, dtype: torch.dtype, group: int,
+              window: Optional[int]) -> tuple[PlannedRows, ...]:
+    """The attention plans of `batch`'s requests (`seqs`): one per request for full attention; for a
+    sliding window of width W, one per block of up to W queries, over the context entries at
+    positions (first query - W, last query] only (the rest is outside every query's window):
+
+        positions   0 ............ 1000 ...... 1511 | queries 1000..1511 (W = 512)
+        block 1     keys 489 .. 1511, queries 1000 .. 1511
+
+    so a long chunk costs O(queries x W) on that layer, not O(queries x context)."""
+    planned = []
+    for seq in batch.seqs:
+        query_pos = batch.positions[seq.query_start:seq.query_start + seq.query_len]
+        if window is None:
+            plan = plan_sequence(query_pos, seq.context_slots, seq.context_pos, pool.num_slots, dtype, None, group)
+            planned.append(PlannedRows(slice(seq.query_start, seq.query_start + seq.query_len), plan))
+            continue
+        for first in range(0, seq.query_len, window):
+            block = query_pos[first:first + window]
+            keep = (seq.context_pos > block.min() - window) & (seq.context_pos <= block.max())
+            plan = plan_sequence(block, seq.context_slots[keep], seq.context_pos[keep], pool.num_slots, dtype,
+                                 window, group)
+            start = seq.query_start + first
+            planned.append(PlannedRows(slice(start, start + block.numel()), plan))
+    return tuple(planned)
+
+
+def attend_planned(q: torch.Tensor, plans: tuple[PlannedRows, ...], k_layer: torch.Tensor,
+                   v_layer: torch.Tensor, scale: float) -> torch.Tensor:
+    """`q [T, Hq, D]`'s attention, each planned block of rows over its plan's keys; the rows no plan
+    covers (arena decode rows) are left for the caller. Returns `[T, Hq, D]`."""
+    out = torch.empty_like(q)
+    for entry in plans:
+        out[entry.rows] = planned_attention(q[entry.rows], entry.plan, k_layer, v_layer, scale)
+    return out

@@ -24,11 +24,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvsplice.layers.block_int8_head import Int8Blocks, int8_blocks
+from kvsplice.layers.gguf_blocks import BLOCK_FORMATS, GroupedWeight, decode_blocks
 from kvsplice.layers.gguf_linear import GGUFLinear, linear_from_gguf
 from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, default_model_dir, find_default_gguf
 from kvsplice.models.default_model import pull_default_model
 from kvsplice.models.gguf_convert import ensure_converted
-from kvsplice.models.gguf_convert import open_gguf
+from kvsplice.models.gguf_convert import (PERMUTED_QK_ARCHITECTURES, gguf_architecture, hf_tensor_name,
+                                          interleaved_to_half_rows, open_gguf)
 from kvsplice.models.llama2c import load_llama2c
 from kvsplice.models.manifest import MANIFEST_FILE, read_manifest
 from kvsplice.tokenizer import Tokenizer
@@ -225,3 +227,30 @@ def load_gguf_linears(gguf_path: str | Path, names: list[str], **options) -> dic
     blocks directly. ValueError for a missing tensor or a type that is not a block format."""
     reader = open_gguf(gguf_path)
     return {name: linear_from_gguf(reader, name, **options) for name in names}
+
+
+def load_gguf_blocks(gguf_path: str | Path, hf_config: dict) -> dict[str, GroupedWeight]:
+    """Every 2-D block-format tensor of a GGUF (projections, the embedding / output) decoded into
+    its GroupedWeight (kvsplice.layers.gguf_blocks), by its transformers name, q/k rows put in
+    the order the converted checkpoint has them (`--weight-format gguf`: the fast path multiplies
+    few rows with these blocks). ValueError when the file cannot be read."""
+    reader = open_gguf(gguf_path)
+    arch = gguf_architecture(reader)
+    heads_of = {"self_attn.q_proj": hf_config["num_attention_heads"],
+                "self_attn.k_proj": hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])}
+    blocks = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
+            continue
+        in_features, out_features = (int(n) for n in tensor.shape)
+        raw = torch.from_numpy(tensor.data.reshape(out_features, -1).copy())
+        grouped = decode_blocks(raw, tensor.tensor_type.name, in_features)
+        name = hf_tensor_name(tensor.name, arch)
+        projection = next((proj for proj in heads_of if f".{proj}." in name), None)
+        if arch in PERMUTED_QK_ARCHITECTURES and projection is not None:
+            heads = heads_of[projection]
+            offsets = None if grouped.offsets is None else interleaved_to_half_rows(grouped.offsets, heads)
+            grouped = GroupedWeight(grouped.fmt, interleaved_to_half_rows(grouped.values, heads),
+                                    interleaved_to_half_rows(grouped.scales, heads), offsets)
+        blocks[name] = grouped
+    return blocks

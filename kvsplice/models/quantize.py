@@ -10,6 +10,10 @@ fast path (FastDecoder, which multiplies with the packed integers) compute the s
     auto             int4 where the checkpoint already    model dtype
                      is int4 data (a GGUF Q4_0 / Q4_1),
                      with bf16 activations; else dense
+    gguf             the GGUF's own blocks (Q4_K, Q5_0,   the GGUF's own blocks
+                     Q8_0 ...) as int4 planes for a few
+                     rows, model dtype for more (a GGUF
+                     checkpoint with bf16 activations)
 
 `auto` never loses more than the bf16 rounding of the int4 scales (the packed kernels take bf16
 activations, so with an fp32 model it stays dense and exact). Models the fast path does not run
@@ -50,6 +54,11 @@ def resolve_weight_format(name: str, model: Decoder) -> WeightFormat:
     """The WeightFormat `name` stands for on `model` (see the module table); ValueError if unknown."""
     if name == "int4":
         return WeightFormat("int4", "int8")
+    if name == "gguf":
+        if not model.gguf_blocks or model.lm_head.weight.dtype != torch.bfloat16:
+            raise ValueError("--weight-format gguf needs a GGUF checkpoint whose projections are block formats, "
+                             "and --dtype bfloat16")
+        return WeightFormat("gguf", "gguf")
     if name != "auto":
         return WeightFormat(check_format(name), name)
     dtype = model.lm_head.weight.dtype
@@ -67,6 +76,8 @@ def apply_weight_format(model: Decoder, fmt: WeightFormat) -> None:
     keeps its weights) and the model's `head_blocks` are dropped; a weight the format cannot hold (int4 needs inputs divisible by 32)
     stays as it is, and the fast path keeps it dense as well.
     """
+    if fmt.projections == "gguf":   # the dense weights already are the blocks' values, in the model dtype
+        return
     for linear in projection_linears(model):
         if supports(fmt.projections, linear.weight):
             linear.weight.copy_(round_to_format(linear.weight, fmt.projections))

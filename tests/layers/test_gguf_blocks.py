@@ -160,6 +160,30 @@ def test_bias_dtype_and_memory():
     assert unplanned.nbytes() == decoded < 64 * 256 * 2         # below a bf16 copy
 
 
+def test_fused_planes_of_mixed_formats_and_the_dense_copy_above_them():
+    """q | k | v of Q5_0, Q5_0, Q8_0 (the Gemma 3 Q4_K_M mix): q and k share planes; a row on the
+    planes is within their bound of the blocks' weights, more rows are the dense copy's product,
+    and a Q6_K part (no planes) sends every product to the dense copy."""
+    from kvsplice.layers.gguf_linear import GGUFPlanesLinear
+    from kvsplice.layers.quant_linear import PackedLinear
+
+    cols = 256
+    parts = [decode_blocks(torch.from_numpy(_blocks(name, rows, cols, seed)), name, cols)
+             for name, rows, seed in (("Q5_0", 64, 1), ("Q5_0", 32, 2), ("Q8_0", 32, 3))]
+    weight = torch.cat([dequantize(torch.from_numpy(_blocks(name, rows, cols, seed)), name, cols)
+                        for name, rows, seed in (("Q5_0", 64, 1), ("Q5_0", 32, 2), ("Q8_0", 32, 3))])
+    dense = PackedLinear.build([weight.to(torch.bfloat16)], [None], "dense")
+    fused = GGUFPlanesLinear(parts, dense, small_batch_rows=1)
+    assert len(fused.planes) == 2 and fused.out_features == 128
+    x = torch.randn(1, cols, dtype=torch.bfloat16)
+    tolerance = 2.0 ** -6 * (x.float().abs() @ weight.abs().t()) + 1e-3
+    assert ((fused(x).float() - x.float() @ weight.t()).abs() <= tolerance).all()
+    many = torch.randn(4, cols, dtype=torch.bfloat16)
+    assert torch.equal(fused(many), dense(many))
+    q6 = decode_blocks(torch.from_numpy(_blocks("Q6_K", 32, cols, 4)), "Q6_K", cols)
+    assert not GGUFPlanesLinear([parts[0], q6], dense, small_batch_rows=1).planes
+
+
 def _tiny_gguf(path, rows: int, cols: int) -> np.ndarray:
     """Write a GGUF with one Q8_0 weight [rows, cols] and an F32 bias of ones; the Q8_0 bytes."""
     weight = np.random.default_rng(4).standard_normal((rows, cols)).astype(np.float32)

@@ -3,6 +3,8 @@ prefill, decode over DecodeArena rows of different lengths, and mixed batches; w
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,9 +163,10 @@ def test_packed_formats_match_the_rounded_reference(fmt):
     assert (chosen >= expected.max(dim=-1).values - 2 * tolerance).all()
 
 
-def test_supports_only_plain_attention_models():
+def test_supports_attention_models_only():
     sliding = ModelConfig.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 8})
-    plain = ModelConfig.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": None})
-    assert FastDecoder.supports(plain) and not FastDecoder.supports(sliding)
+    gated = dataclasses.replace(sliding, attn_output_gate=True)
+    assert FastDecoder.supports(sliding) and FastDecoder.compile_refusal(sliding) == "sliding windows"
+    assert not FastDecoder.supports(gated)
     with pytest.raises(ValueError, match="fast path"):
-        FastDecoder(Decoder.from_config(sliding))
+        FastDecoder(Decoder.from_config(gated))
