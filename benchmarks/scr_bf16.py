@@ -17,16 +17,22 @@ failpoint (kvsplice.engine.failpoints), so the engine's own code runs unchanged.
 
     nice python benchmarks/scr_bf16.py --dtypes bfloat16 --cases replace_with_note,delete_tool_result
 
-Measured (2 shared Sapphire Rapids cores with avx512_bf16 / amx_bf16; SmolLM2-135M, weights auto; those
-two cases; 5.0% of the prompt computed): KL at the last position / mean over the last 32 positions
-    served (move_keys)   0.00634 / 0.00234     (0.00404 / 0.00271 and 0.00864 / 0.00197)
-    turned_by_delta      0.00444 / 0.00271     (0.00455 / 0.00333 and 0.00434 / 0.00210)
-    exact_kv             0.00188 / 0.00184     (0.00267 / 0.00179 and 0.00108 / 0.00188)
-exact_kv is the floor relocation cannot go below: bf16 matmuls of oneDNN round differently at
-different row counts (1e-4 of the outputs differ by an ulp at 64..640 rows against 4,096), so the
-rows SCR computes differ from the full forward's even over exact K/V; prefix caching alone moves the
-exact logits by 0.0002-0.0007 at the last position (0.002 over the last 32). A single position's KL
-is dominated by that noise; the mean over 32 positions moves with the keys' error.
+Measured before the two fixes below (2 shared Sapphire Rapids cores with avx512_bf16 / amx_bf16;
+SmolLM2-135M, weights auto; those two cases; 5.0% of the prompt computed): KL at the last position /
+mean over the last 32 positions
+    served (move_keys)   0.00634 / 0.00234
+    turned_by_delta      0.00444 / 0.00271
+    exact_kv             0.00188 / 0.00184
+exact_kv above zero meant the rows SCR computes differed from the full forward's even over exact
+K/V. Two causes, both fixed: (1) every Engine built around one Decoder rounded its weights to int4
+again and packed them again, and rounding int4 data a second time moves some weights (8% of them on
+synthetic Q4_1 data: the scales are re-derived from rounded values), so the exact reference, the SCR engine and the
+exact_kv engine computed three slightly different models (ModelRunner now rounds a Decoder once and
+shares its FastDecoder); (2) oneDNN's bf16 matmul blocks rows 33..640 differently from 1..32 and
+768+ (about 5e-5 of the outputs an ulp apart), so a row's bits depended on how many rows shared its
+call (PackedLinear now runs bf16 products in calls of at most 32 rows, `quant_linear.ROW_TILE`).
+Attention (SDPA with a position mask over scattered slots against the causal prefill) and RMSNorm
+were measured row-count invariant (tests/layers/test_batch_invariance.py).
 """
 import argparse
 import json

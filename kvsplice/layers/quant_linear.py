@@ -26,13 +26,13 @@ and for the lm_head, and moves the crossovers down, so `SMALL_BATCH_ROWS_PREPACK
 there (figures in docs/BENCHMARKS_HISTORY.md, "Figures formerly quoted in code"). The prepacked
 copy costs the memory of the dense one again.
 
-Batch invariance. oneDNN's bf16 matmul picks its blocking from the row count: on a Sapphire Rapids
-core, rows 1..32 and 768 or more give one set of bits, 33..640 rows another (about 5e-5 of the
-outputs an ulp apart), so a row's output depended on how many other rows shared its call, and the
-rows an edited turn recomputes did not match the same rows of a full prefill. The dense path
-therefore runs in `ROW_TILE`-row calls (`row_tiled_linear`): every row is computed by a call of at
-most ROW_TILE rows, whatever else is in the batch (tests/layers/test_batch_invariance.py checks it
-bitwise). fp32 matmuls are left whole (measured the same bits at every row count from 16).
+Batch invariance. oneDNN's bf16 matmul picks its blocking from the row count, and some row counts
+sum a row's products in another order than others (the small ones up to ROW_TILE and the largest
+agree; the figures are in benchmarks/scr_bf16.py), so a row's output depended on how many other
+rows shared its call, and the rows an edited turn recomputes did not match the same rows of a full
+prefill. The dense path therefore runs in `ROW_TILE`-row calls (`row_tiled_linear`): every row is
+computed by a call of at most ROW_TILE rows, whatever else is in the batch
+(tests/layers/test_batch_invariance.py checks it bitwise). fp32 matmuls are left whole.
 """
 
 from __future__ import annotations
