@@ -33,6 +33,15 @@ shares its FastDecoder); (2) oneDNN's bf16 matmul blocks rows 33..640 differentl
 call (PackedLinear now runs bf16 products in calls of at most 32 rows, `quant_linear.ROW_TILE`).
 Attention (SDPA with a position mask over scattered slots against the causal prefill) and RMSNorm
 were measured row-count invariant (tests/layers/test_batch_invariance.py).
+
+After both fixes (same machine, load 4-19; `kvsplice fidelity --dtype bfloat16 --relocating --seams 8
+--openings 1 --front-tails 16 --gen-tokens 1 --no-anchor`, the 5 built-in cases): scr off (exact
+recompute over the prefix cache) KL 0.00000, so the computed rows now match exactly; the default
+(seams 8, openings 1) mean KL 0.00238, answer KL 0.0068, 5.3% computed, against 0.00064 / 0.0029 at
+float32 (docs/benchmarks/fidelity_front.txt). Decoding turn 1's reply on the dense copy instead of
+the int4 kernel left replace_with_note unchanged (0.0019), so what remains is in the relocated K/V
+themselves (move_keys leaves about 13% of a moved key's elements an ulp off the fresh key) or in how
+bf16 amplifies SCR's stale context: not yet separated.
 """
 import argparse
 import json
