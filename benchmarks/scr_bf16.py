@@ -17,16 +17,31 @@ failpoint (kvsplice.engine.failpoints), so the engine's own code runs unchanged.
 
     nice python benchmarks/scr_bf16.py --dtypes bfloat16 --cases replace_with_note,delete_tool_result
 
-Measured (2 shared Sapphire Rapids cores with avx512_bf16 / amx_bf16; SmolLM2-135M, weights auto; those
-two cases; 5.0% of the prompt computed): KL at the last position / mean over the last 32 positions
-    served (move_keys)   0.00634 / 0.00234     (0.00404 / 0.00271 and 0.00864 / 0.00197)
-    turned_by_delta      0.00444 / 0.00271     (0.00455 / 0.00333 and 0.00434 / 0.00210)
-    exact_kv             0.00188 / 0.00184     (0.00267 / 0.00179 and 0.00108 / 0.00188)
-exact_kv is the floor relocation cannot go below: bf16 matmuls of oneDNN round differently at
-different row counts (1e-4 of the outputs differ by an ulp at 64..640 rows against 4,096), so the
-rows SCR computes differ from the full forward's even over exact K/V; prefix caching alone moves the
-exact logits by 0.0002-0.0007 at the last position (0.002 over the last 32). A single position's KL
-is dominated by that noise; the mean over 32 positions moves with the keys' error.
+Measured before the two fixes below (2 shared Sapphire Rapids cores with avx512_bf16 / amx_bf16;
+SmolLM2-135M, weights auto; those two cases; 5.0% of the prompt computed): KL at the last position /
+mean over the last 32 positions
+    served (move_keys)   0.00634 / 0.00234
+    turned_by_delta      0.00444 / 0.00271
+    exact_kv             0.00188 / 0.00184
+exact_kv above zero meant the rows SCR computes differed from the full forward's even over exact
+K/V. Two causes, both fixed: (1) every Engine built around one Decoder rounded its weights to int4
+again and packed them again, and rounding int4 data a second time moves some weights (8% of them on
+synthetic Q4_1 data: the scales are re-derived from rounded values), so the exact reference, the SCR engine and the
+exact_kv engine computed three slightly different models (ModelRunner now rounds a Decoder once and
+shares its FastDecoder); (2) oneDNN's bf16 matmul blocks rows 33..640 differently from 1..32 and
+768+ (about 5e-5 of the outputs an ulp apart), so a row's bits depended on how many rows shared its
+call (PackedLinear now runs bf16 products in calls of at most 32 rows, `quant_linear.ROW_TILE`).
+Attention (SDPA with a position mask over scattered slots against the causal prefill) and RMSNorm
+were measured row-count invariant (tests/layers/test_batch_invariance.py).
+
+After both fixes (same machine, load 4-19; `kvsplice fidelity --dtype bfloat16 --relocating --seams 8
+--openings 1 --front-tails 16 --gen-tokens 1 --no-anchor`, the 5 built-in cases): scr off (exact
+recompute over the prefix cache) KL 0.00000, so the computed rows now match exactly; the default
+(seams 8, openings 1) mean KL 0.00238, answer KL 0.0068, 5.3% computed, against 0.00064 / 0.0029 at
+float32 (docs/benchmarks/fidelity_front.txt). Decoding turn 1's reply on the dense copy instead of
+the int4 kernel left replace_with_note unchanged (0.0019), so what remains is in the relocated K/V
+themselves (move_keys leaves about 13% of a moved key's elements an ulp off the fresh key) or in how
+bf16 amplifies SCR's stale context: not yet separated.
 """
 import argparse
 import json

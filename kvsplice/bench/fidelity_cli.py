@@ -93,6 +93,21 @@ def _number_list(kind):
     return parse
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_DTYPES = ("float32", "auto")
+
+
+def _dtype_list(text: str) -> list[str]:
+    """The dtypes `text` names, "auto" resolved as `kvsplice serve` resolves it, each once."""
+    from kvsplice.engine.llm import resolve_auto_dtype
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in DTYPES + ("auto",)]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes of {DTYPES + ('auto',)}, got {text!r}")
+    resolved = [str(resolve_auto_dtype(name)).removeprefix("torch.") if name == "auto" else name for name in names]
+    return list(dict.fromkeys(resolved))
+
+
 def _name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -136,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-target", type=float, default=DEFAULT_KL_TARGET,
                         help="mean KL the report checks the chosen setting against (nats)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens compared after turn 2")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
-                        help="compute dtype of SCR and of the exact reference alike (edits task)")
+    parser.add_argument("--dtype", type=_dtype_list, default=",".join(DEFAULT_DTYPES),
+                        help="compute dtypes, comma-separated, each a sweep of its own with SCR and the exact "
+                             "reference alike in it (edits task; auto: what `kvsplice serve` picks on this CPU; "
+                             "default float32,auto, compared side by side)")
     return parser
 
 
@@ -204,7 +221,23 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     front = front_settings(tails=args.front_tails, seams=args.seams, removed_seams=args.removed_seams,
                            openings=args.openings)
     settings += [st for st in front if st.label not in {s.label for s in settings}]
-    harness = Harness(args.model, gen_tokens=args.gen_tokens, dtype=args.dtype)
+    by_dtype = {}
+    for dtype in args.dtype:
+        # one directory per dtype when there are several
+        dtype_dir = out_dir / dtype if len(args.dtype) > 1 else out_dir
+        dtype_dir.mkdir(parents=True, exist_ok=True)
+        if len(args.dtype) > 1:
+            print(f"dtype {dtype}:")
+        by_dtype[dtype] = run_dtype(args, dtype, cases, settings, dtype_dir)
+    if len(args.dtype) > 1:
+        print(dtype_table(by_dtype, settings))
+    return 0
+
+
+def run_dtype(args, dtype: str, cases: list[EditCase], settings: list[Setting], out_dir: Path) -> list[dict]:
+    """The sweep at compute dtype `dtype`: printed report, results.json / results.md / PNGs in
+    `out_dir`. Returns the settings' summaries."""
+    harness = Harness(args.model, gen_tokens=args.gen_tokens, dtype=dtype)
     started = time.perf_counter()
     results, summaries = run_sweep(harness, settings, cases, anchor=not args.no_anchor)
     anchors = [] if args.no_anchor else summaries[len(settings):]
@@ -212,11 +245,32 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     print(report(summaries, anchors, settings, args, len(cases), time.perf_counter() - started))
     (out_dir / "results.md").write_text(markdown_table(summaries) + "\n\n" + case_table(results) + "\n")
     (out_dir / "results.json").write_text(json.dumps(
-        {"model": harness.reference.name, "logit_positions": LOGIT_POSITIONS, "gen_tokens": args.gen_tokens,
-         "summaries": summaries, "anchors": anchors, "cases": [asdict(r) for r in results]}, indent=1))
+        {"model": harness.reference.name, "dtype": dtype, "logit_positions": LOGIT_POSITIONS,
+         "gen_tokens": args.gen_tokens, "summaries": summaries, "anchors": anchors,
+         "cases": [asdict(r) for r in results]}, indent=1))
     for path in write_plots(summaries, settings, out_dir, anchors[0] if anchors else None):
         print(f"wrote {path}")
-    return 0
+    return summaries
+
+
+def dtype_table(by_dtype: dict[str, list[dict]], settings: Sequence[Setting]) -> str:
+    """Every SCR setting's mean and answer-position KL at each dtype, and each dtype's against the
+    first's (x): how much of SCR's fidelity a compute dtype keeps."""
+    first, *others = by_dtype
+    header = ["setting", "computed"] + [f"{kind} {dtype}" for kind in ("mean KL", "answer KL") for dtype in by_dtype]
+    header += [f"x {dtype}" for dtype in others]
+    lines = ["dtypes compared (x: answer KL against " + first + "):", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for index, setting in enumerate(settings):
+        if not setting.max_spans or setting.no_rerotate:
+            continue
+        rows = {dtype: summaries[index] for dtype, summaries in by_dtype.items()}
+        cells = [setting.label, f"{rows[first]['computed_share']:.1%}"]
+        cells += [f"{rows[dtype][key]:.5f}" for key in ("kl_mean", "kl_answer") for dtype in rows]
+        base = rows[first]["kl_answer"]
+        cells += [f"{rows[dtype]['kl_answer'] / base:.2f}" if base > 0 else "-" for dtype in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Setting], args,

@@ -70,13 +70,13 @@ class ModelRunner:
         compiles = config.compile_decode == "on"   # build_engine resolves auto
         if isinstance(model, Decoder):
             self.weight_format = resolve_weight_format(config.weight_format, model)
-            apply_weight_format(model, self.weight_format)
+            if model.applied_weight_format != self.weight_format:   # once: rounding again moves weights
+                apply_weight_format(model, self.weight_format)
+                model.applied_weight_format = self.weight_format
             if config.fast_path and states is None and FastDecoder.supports(model.cfg):
                 if compiles and not config.decode_arena_tokens:
                     raise ValueError("--compile-decode needs the DecodeArena (--decode-arena-tokens above 0)")
-                self.fast = FastDecoder(model, self.weight_format.projections, self.weight_format.lm_head,
-                                        compile_decode=compiles, threads=self.threads,
-                                        decode_builder=decode_builder)
+                self.fast = self._fast_decoder(model, compiles, decode_builder)
                 if config.decode_arena_tokens:   # the compiled graphs take arenas of 2 rows or more
                     self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
                                              config.decode_arena_tokens, device=pool.k.device,
@@ -87,6 +87,18 @@ class ModelRunner:
         if compiles and self.fast is None:
             raise ValueError("--compile-decode needs the fast path: an attention-only model without sliding "
                              "windows, and no --no-fast-path")
+
+    def _fast_decoder(self, model: Decoder, compiles: bool, decode_builder) -> FastDecoder:
+        """The FastDecoder of `model` in this runner's weight format: without compiled decode, the
+        one an earlier runner built on the same Decoder (packing the weights again would quantize
+        their packed copies again, and the engines would compute with different weights)."""
+        key = (self.weight_format.projections, self.weight_format.lm_head)
+        if not compiles and key in model.fast_decoders:
+            return model.fast_decoders[key]
+        fast = FastDecoder(model, *key, compile_decode=compiles, threads=self.threads, decode_builder=decode_builder)
+        if not compiles:
+            model.fast_decoders[key] = fast
+        return fast
 
     def build_batch(self, chunks: list[Chunk], use_arena: bool = True) -> tuple[ForwardBatch, list[dict[int, int]]]:
         """Flatten chunks into a ForwardBatch; also returns, per chunk (in `chunks` order),

@@ -25,6 +25,14 @@ results are the same (bit for bit). The prepacked copy was measured faster, at e
 and for the lm_head, and moves the crossovers down, so `SMALL_BATCH_ROWS_PREPACKED` holds them
 there (figures in docs/BENCHMARKS_HISTORY.md, "Figures formerly quoted in code"). The prepacked
 copy costs the memory of the dense one again.
+
+Batch invariance. oneDNN's bf16 matmul picks its blocking from the row count, and some row counts
+sum a row's products in another order than others (the small ones up to ROW_TILE and the largest
+agree; the figures are in benchmarks/scr_bf16.py), so a row's output depended on how many other
+rows shared its call, and the rows an edited turn recomputes did not match the same rows of a full
+prefill. The dense path therefore runs in `ROW_TILE`-row calls (`row_tiled_linear`): every row is
+computed by a call of at most ROW_TILE rows, whatever else is in the batch
+(tests/layers/test_batch_invariance.py checks it bitwise). fp32 matmuls are left whole.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ WEIGHT_FORMATS = ("dense", "int8", "int4")
 INT4_GROUP = 32                      # GGUF's Q4_0 / Q4_1 block size
 SMALL_BATCH_ROWS = {"int8": 6, "int4": 12}
 SMALL_BATCH_ROWS_PREPACKED = {"int8": 3, "int4": 8}   # against the faster prepacked dense copy
+# bf16 / fp16 dense products run in calls of at most this many rows (see "Batch invariance" above):
+# the largest row count of oneDNN's small-row blocking, which gives the same bits as its
+# large-row one
+ROW_TILE = 32
 _KERNEL_DTYPE = torch.bfloat16       # the activation dtype both packed kernels are fast for
 
 
@@ -150,6 +162,18 @@ def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return _linear(F.pad(x, (0, 0, 0, bucket(rows) - rows)), weight, bias, prepacked)[:rows]
 
 
+def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     prepacked: Optional[torch.Tensor] = None, tile: int = ROW_TILE) -> torch.Tensor:
+    """`bucketed_linear` of x [M, K] in calls of at most `tile` rows (the last one padded to its
+    bucket): the same values, [M, N], and each row's bits independent of M where the kernel's are
+    for calls of 1..tile rows. fp32 x (and M <= tile) in one call."""
+    rows = x.shape[0]
+    if rows <= tile or x.dtype not in PADDED_DTYPES:
+        return bucketed_linear(x, weight, bias, prepacked)
+    return torch.cat([bucketed_linear(x[start:start + tile], weight, bias, prepacked)
+                      for start in range(0, rows, tile)])
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             prepacked: Optional[torch.Tensor]) -> torch.Tensor:
     if prepacked is None:
@@ -189,19 +213,21 @@ class PackedLinear:
     batches and, for int8/int4, the packed form for batches of at most `small_batch_rows` rows.
     Both compute the same weights; the packed kernels take bf16 activations, so an fp32 x is
     rounded to bf16 on that path. `prepacked`: the dense copy in oneDNN's layout (`can_prepack`),
-    which the large batches then use. Build it with `PackedLinear.build`.
+    which the large batches then use. `row_tile`: those batches run in calls of at most this many
+    rows (`row_tiled_linear`, batch-invariant bits); None: in one call. Build it with
+    `PackedLinear.build`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: str,
                  packed: Optional[tuple[torch.Tensor, torch.Tensor]], small_batch_rows: int,
-                 prepacked: Optional[torch.Tensor] = None):
+                 prepacked: Optional[torch.Tensor] = None, row_tile: Optional[int] = ROW_TILE):
         self.weight, self.bias, self.fmt = weight, bias, fmt
         self.packed, self.small_batch_rows = packed, small_batch_rows
-        self.prepacked = prepacked
+        self.prepacked, self.row_tile = prepacked, row_tile
 
     @staticmethod
     def build(weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]], fmt: str,
-              small_batch_rows: Optional[int] = None) -> "PackedLinear":
+              small_batch_rows: Optional[int] = None, row_tile: Optional[int] = ROW_TILE) -> "PackedLinear":
         """One PackedLinear for the row-wise concatenation of `weights` (a fused projection:
         y splits back into each weight's outputs). Biases are concatenated likewise (a None
         bias is zeros). The dense copy keeps the first weight's dtype; for one dense weight it
@@ -214,7 +240,7 @@ class PackedLinear:
                               for w, b in zip(weights, biases)])
         if fmt == "dense" or not supports(fmt, dense):
             dense = dense.contiguous()
-            return PackedLinear(dense, bias, "dense", None, 0, prepack(dense))
+            return PackedLinear(dense, bias, "dense", None, 0, prepack(dense), row_tile)
         qw = quantize(dense, fmt)
         if fmt == "int8":
             packed = (qw.values.contiguous(), qw.scales)
@@ -225,7 +251,7 @@ class PackedLinear:
         prepacked = prepack(weight)
         limits = SMALL_BATCH_ROWS if prepacked is None else SMALL_BATCH_ROWS_PREPACKED
         rows = limits[fmt] if small_batch_rows is None else small_batch_rows
-        return PackedLinear(weight, bias, fmt, packed, rows, prepacked)
+        return PackedLinear(weight, bias, fmt, packed, rows, prepacked, row_tile)
 
     @property
     def out_features(self) -> int:
@@ -233,7 +259,9 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] > self.small_batch_rows:
-            return bucketed_linear(x, self.weight, self.bias, self.prepacked)
+            if self.row_tile is None:
+                return bucketed_linear(x, self.weight, self.bias, self.prepacked)
+            return row_tiled_linear(x, self.weight, self.bias, self.prepacked, self.row_tile)
         if x.dtype is _KERNEL_DTYPE:   # (no .to() calls: each costs a dispatch on the hot path)
             y = self._packed_mm(x)
         else:

@@ -176,6 +176,11 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
+        # the WeightFormat the weights were rounded to (None: as loaded), and the FastDecoders built
+        # on them, by (projections, lm_head) format: set by the ModelRunner, so that engines sharing
+        # this Decoder compute with the same weights (rounding int4 data again moves some weights)
+        self.applied_weight_format = None
+        self.fast_decoders: dict = {}
         self.model = DecoderBody(cfg, dtype)
         self.lm_head = BucketedLinear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
