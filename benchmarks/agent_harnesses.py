@@ -355,9 +355,10 @@ def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> H
 
 
 def run_harness(run: HarnessRun, executable: Path, proxy: RecordingProxy, turns: int, work: Path,
-                timeout: float) -> list[dict[str, Any]]:
+                timeout: float, after_turn) -> list[dict[str, Any]]:
     """The CLI through `turns` turns in a fresh workspace; one entry per turn (its exit code, seconds, the
-    lines of its output that report a failed request, the output's tail)."""
+    lines of its output that report a failed request, the output's tail), handed to `after_turn` as each
+    turn ends (so that a run stopped early keeps the turns it finished)."""
     workdir = work / f"{run.name}-workspace"
     workdir.mkdir()
     for name, text in WORKSPACE.items():
@@ -382,6 +383,7 @@ def run_harness(run: HarnessRun, executable: Path, proxy: RecordingProxy, turns:
                         "cli_errors": errors, "tail": output.strip()[-600:]})
         print(f"# {run.name} turn {turn}: exit {code} in {results[-1]['seconds']} s, "
               f"{len(errors)} error lines", file=sys.stderr, flush=True)
+        after_turn(results)
     return results
 
 
@@ -534,27 +536,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in names:
             run_dir = work / name
             run_dir.mkdir()
-            load = open("/proc/loadavg").read().split()[:3]
+            load = " ".join(open("/proc/loadavg").read().split()[:3])
             with kvsplice_server(model, run_dir, args.serve_arg) as (port, log):
                 proxy = RecordingProxy(port)
                 base_url = f"http://127.0.0.1:{proxy.port}"
                 run = {"codex": lambda: codex_run(run_dir, base_url),
                        "claude": lambda: claude_run(run_dir, base_url, args.reply_tokens),
                        "opencode": lambda: opencode_run(run_dir, base_url, args.reply_tokens, args.cache)}[name]()
-                turns = run_harness(run, bins[name], proxy, args.turns, run_dir, args.turn_timeout)
+                record = {"harness": name, "version": version(bins[name]), "cpu": cpu_line(), "load": load,
+                          "model": "Gemma 3 270M (Q4_K_M GGUF), served as " + SERVED_NAME,
+                          "reply_tokens": args.reply_tokens}
+
+                def keep(turns: list[dict[str, Any]]) -> None:
+                    record.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), turns=turns,
+                                  exchanges=[dataclasses.asdict(e) for e in proxy.exchanges],
+                                  server_log=server_log_counts(log.read_text()))
+                    if args.out:
+                        args.out.mkdir(parents=True, exist_ok=True)
+                        (args.out / f"{name}.json").write_text(json.dumps(record))
+                        shutil.copy(log, args.out / f"{name}-server.log")
+                        for turn_log in run_dir.glob(f"{name}-turn*.log"):
+                            shutil.copy(turn_log, args.out / turn_log.name)
+
+                run_harness(run, bins[name], proxy, args.turns, run_dir, args.turn_timeout, keep)
                 proxy.close()
-            record = {"harness": name, "version": version(bins[name]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      "cpu": cpu_line(), "load": " ".join(load), "model": "Gemma 3 270M (Q4_K_M GGUF), served as " + SERVED_NAME,
-                      "reply_tokens": args.reply_tokens, "turns": turns,
-                      "exchanges": [dataclasses.asdict(e) for e in proxy.exchanges],
-                      "server_log": server_log_counts(log.read_text())}
             saved.append(record)
-            if args.out:
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / f"{name}.json").write_text(json.dumps(record))
-                shutil.copy(log, args.out / f"{name}-server.log")
-                for turn_log in run_dir.glob(f"{name}-turn*.log"):
-                    shutil.copy(turn_log, args.out / turn_log.name)
     report(saved)
     return 0
 
