@@ -104,8 +104,10 @@ def gemma_model_dir(work: Path, reply_tokens: int) -> Path:
     converted = ensure_converted(gguf, gguf_cache_dir(gguf), progress=False)
     served = work / SERVED_NAME
     served.mkdir()
+    # a plain HF directory: without the cache's manifest (which would take the changed generation config
+    # for damage and convert the GGUF again), its files linked
     for entry in converted.iterdir():
-        if entry.name != "generation_config.json":
+        if entry.name not in ("generation_config.json", "kvsplice-manifest.json") and not entry.name.startswith("."):
             (served / entry.name).symlink_to(entry)
     generation = json.loads((converted / "generation_config.json").read_text())
     vocab = {token["content"]: token["id"] for token in
