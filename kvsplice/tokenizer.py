@@ -34,15 +34,29 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
         raise ValueError(f"{path}: unreadable eos_token_id: {error}") from error
 
 
+def generation_max_new_tokens(model_dir: str | Path) -> Optional[int]:
+    """`max_new_tokens` from `generation_config.json` in `model_dir` (the completion budget of a request
+    that sets none, as vLLM reads it), or None if absent."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_new_tokens")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{path}: max_new_tokens must be an integer >= 1, got {value!r}")
+    return value
+
+
 class Tokenizer:
     """Text <-> token ids, chat templating and stop ids for one model.
 
     `backend` is a transformers tokenizer (any `PreTrainedTokenizerBase`) or a `Llama2cBPE`.
-    `extra_eos_ids` (e.g. from generation_config.json) are added to the backend's own eos id.
+    `extra_eos_ids` (e.g. from generation_config.json) are added to the backend's own eos id;
+    `max_new_tokens` (generation_config.json's) is the completion budget of a request that sets none.
     """
 
-    def __init__(self, backend: Backend, extra_eos_ids: tuple[int, ...] = ()):
+    def __init__(self, backend: Backend, extra_eos_ids: tuple[int, ...] = (), max_new_tokens: Optional[int] = None):
         self.backend = backend
+        self.max_new_tokens = max_new_tokens
         own_eos = LLAMA2C_EOS_ID if isinstance(backend, Llama2cBPE) else backend.eos_token_id
         ordered = _as_id_tuple(own_eos) + tuple(extra_eos_ids)
         self._eos_token_ids = tuple(dict.fromkeys(ordered))
@@ -60,7 +74,7 @@ class Tokenizer:
             backend = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
             raise ValueError(f"cannot load the tokenizer in {path}: {error}") from error
-        return cls(backend, generation_eos_ids(path))
+        return cls(backend, generation_eos_ids(path), generation_max_new_tokens(path))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -130,7 +130,8 @@ class JsonOutputFormat(_Strict):
 
 
 class OutputConfig(_Strict):
-    """`format`: the reply is JSON matching the schema (constrained decoding); `effort` is refused."""
+    """`format`: the reply is JSON matching the schema (constrained decoding); `effort` only at
+    Anthropic's default, `high` (the served models have no effort control)."""
 
     format: Optional[JsonOutputFormat] = None
     effort: Optional[str] = None
@@ -138,7 +139,34 @@ class OutputConfig(_Strict):
     @field_validator("effort")
     @classmethod
     def _no_effort(cls, value: Optional[str]) -> Optional[str]:
-        return _refuse_unless_neutral("effort", value)
+        return _refuse_unless_neutral(f"effort {value!r}", value, (None, "high"))
+
+
+class ContextEdit(_Strict):
+    """One server-side context edit. Only `clear_thinking_20251015` keeping every thinking turn (`keep:
+    "all"`) is accepted: it edits nothing. An edit that would clear content is refused."""
+
+    type: str
+    keep: Optional[Any] = None
+    model_config = ConfigDict(extra="allow")
+
+    def is_neutral(self) -> bool:
+        return self.type.startswith("clear_thinking_") and self.keep == "all" and not self.model_extra
+
+
+class ContextManagement(_Strict):
+    """`context_management`: server-side edits of the prompt; only edits that change nothing."""
+
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+    @field_validator("edits")
+    @classmethod
+    def _neutral_edits(cls, edits: list[ContextEdit]) -> list[ContextEdit]:
+        for edit in edits:
+            if not edit.is_neutral():
+                raise ValueError(f"context edit {edit.type!r} (other than clear_thinking with keep \"all\") is not "
+                                 f"supported by this server (see docs/COMPATIBILITY.md)")
+        return edits
 
 
 class _MessagesFields(_Strict):
@@ -152,6 +180,7 @@ class _MessagesFields(_Strict):
     output_config: Optional[OutputConfig] = None
     cache_control: Optional[CacheControl] = None
     thinking: Optional[dict[str, Any]] = None
+    context_management: Optional[ContextManagement] = None
     speed: Optional[str] = None
     user_profile_id: Optional[str] = None
     workspace_id: Optional[str] = None
@@ -174,7 +203,8 @@ class _MessagesFields(_Strict):
     @field_validator("thinking")
     @classmethod
     def _no_thinking(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        return _refuse_unless_neutral("thinking (other than disabled)", value, (None, {"type": "disabled"}))
+        return _refuse_unless_neutral("thinking (other than disabled or adaptive)", value,
+                                      (None, {"type": "disabled"}, {"type": "adaptive"}))
 
     @field_validator("speed")
     @classmethod

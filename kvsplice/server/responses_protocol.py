@@ -169,6 +169,21 @@ class TextConfig(_Item):
     verbosity: Optional[Literal["medium"]] = None
 
 
+class ReasoningConfig(_Item):
+    """`reasoning`: `summary` (a summary of the model's reasoning) is accepted and none is written: a
+    reasoning item carries the reasoning text itself, in `content` (with a reasoning parser). `effort`
+    is refused unless null: the served models have no effort control."""
+
+    effort: Optional[str] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+    @field_validator("effort")
+    @classmethod
+    def _no_effort(cls, value: Optional[str]) -> Optional[str]:
+        return _refuse_unless_neutral(f"reasoning.effort {value!r}", value)
+
+
 class ResponsesStreamOptions(_Item):
     include_obfuscation: Optional[StrictBool] = None
 
@@ -193,18 +208,19 @@ class ResponseRequest(_OpenAIRequest):
     stream_options: Optional[ResponsesStreamOptions] = None
     include: Optional[list[Literal["reasoning.encrypted_content"]]] = None
     metadata: Optional[dict[str, str]] = None
+    reasoning: Optional[ReasoningConfig] = None
     # accepted and ignored: they change nothing about the answer
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
+    client_metadata: Optional[dict[str, str]] = None
     # accepted at their default
     background: Optional[StrictBool] = None
     service_tier: Optional[str] = None
     truncation: Optional[str] = None
     # refused unless null
-    reasoning: Optional[Any] = None
     top_logprobs: Optional[Any] = None
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
@@ -266,7 +282,7 @@ class ResponseRequest(_OpenAIRequest):
     def _no_truncation(cls, value: Optional[str]) -> Optional[str]:
         return _refuse_unless_neutral(f"truncation {value!r}", value, (None, "disabled"))
 
-    @field_validator("reasoning", "top_logprobs", "conversation", "prompt", "background_options",
+    @field_validator("top_logprobs", "conversation", "prompt", "background_options",
                      "context_management", "access_programs", "image", "moderation")
     @classmethod
     def _refused(cls, value: Any, info: ValidationInfo) -> Any:

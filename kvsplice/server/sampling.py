@@ -23,7 +23,8 @@ CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "regex", 
 
 def max_tokens(state: ServerState, prompt_len: int, requested: Optional[int], prompt_param: str,
                budget_param: str = "max_tokens") -> int:
-    """The completion budget: `requested`, or the rest of the context; 400 (with the numbers) if the prompt
+    """The completion budget: `requested`, or the rest of the context (at most the model's generation_config
+    `max_new_tokens`, where it sets one); 400 (with the numbers) if the prompt
     does not fit (naming `prompt_param`, the field that holds the prompt) or prompt + requested exceeds
     the context (naming `budget_param`, the field that holds `requested`)."""
     limit = state.context_limit
@@ -32,7 +33,8 @@ def max_tokens(state: ServerState, prompt_len: int, requested: Optional[int], pr
                             f"tokens (prompt + completion); shorten the prompt", param=prompt_param,
                        code="context_length_exceeded")
     if requested is None:
-        return limit - prompt_len
+        default = state.engine.tokenizer.max_new_tokens
+        return limit - prompt_len if default is None else min(limit - prompt_len, default)
     if prompt_len + requested > limit:
         raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {budget_param} ({requested}) exceeds this "
                             f"model's context limit of {limit} tokens", param=budget_param,

@@ -242,7 +242,9 @@ ACCEPTED = {
 REFUSED = {"container": "c", "diagnostics": {"previous_message_id": "m"}, "inference_geo": "us",
            "user_profile_id": "u", "workspace_id": "w"}
 DEFAULT_ONLY = {"service_tier": ("auto", "priority"), "speed": ("standard", "fast"),
-                "thinking": ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024})}
+                "thinking": ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}),
+                "context_management": ({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                                       {"edits": [{"type": "clear_tool_uses_20250919"}]})}
 
 
 def test_each_messages_field_behaves_as_its_status_says(ant_server):
@@ -260,7 +262,7 @@ def test_each_messages_field_behaves_as_its_status_says(ant_server):
             default, other = DEFAULT_ONLY[field]
             assert post(ant_server, {**base, field: default}).status_code == 200, field
             reply = post(ant_server, {**base, field: other})
-            assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (field, reply.text)
+            assert reply.status_code == 400 and reply.json()["error"]["param"].startswith(field), (field, reply.text)
 
 
 def test_thinking_text_and_tool_use_stream_as_three_blocks():
@@ -294,3 +296,21 @@ def test_blocks_become_chat_messages_in_order():
     assert messages[0]["content"] == "a\n\nb" and messages[2]["reasoning_content"] == "t"
     assert messages[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"k": 1}'}
     assert messages[3] == {"role": "tool", "tool_call_id": "u1", "content": "Error: bad"}
+
+
+def test_claude_codes_own_fields_are_accepted_and_the_others_refused(ant_server):
+    """What Claude Code sends by default: adaptive thinking, effort "high" (Anthropic's default), a context
+    edit that clears nothing, and the beta query; a thinking budget, another effort or a clearing edit
+    stays a 400 naming its field."""
+    base = {"model": model(ant_server), "max_tokens": 2, "messages": [QUESTION]}
+    claude_code = {"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+                   "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    assert post(ant_server, {**base, **claude_code}, path="/v1/messages?beta=true").status_code == 200
+    counted = post(ant_server, {key: value for key, value in {**base, **claude_code}.items() if key != "max_tokens"},
+                   path="/v1/messages/count_tokens?beta=true")
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    for field, value in [("output_config", {"effort": "low"}),
+                         ("context_management", {"edits": [{"type": "clear_thinking_20251015",
+                                                             "keep": {"type": "thinking_turns", "value": 1}}]})]:
+        reply = post(ant_server, {**base, field: value})
+        assert reply.status_code == 400 and reply.json()["error"]["param"].startswith(field), (field, reply.text)
