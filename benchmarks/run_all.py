@@ -84,12 +84,6 @@ BENCHMARKS = (
               "no slot leaked.",
               f"`kvsplice serve` defaults (`--dtype auto`: bf16 on this CPU, `--weight-format auto`); {SCR_16}.",
               (r"^requests:", r"^5xx", r"^RSS MiB", r"^RSS growth", r"^idle", r"^verdict")),
-    Benchmark("model_cache_check", "Model cache: what the manifest check costs at start", "reliability",
-              "python benchmarks/model_cache_check.py",
-              "The converted default model's manifest check at every start (sizes and stamps; sha256 only when "
-              "a stamp changed), against hashing every file and against loading the model.",
-              "The model cache at start: no serving setting enters; `build_engine` loads at float32.",
-              (r"^check", r"^(full|sha256|build|first|zeroed)")),
     Benchmark("disk_tier", "Disk tier", "disk tier",
               "python benchmarks/disk_tier.py; python benchmarks/tier_restart.py; "
               "python benchmarks/hit_rate_sweep.py --tier-compare --counts 32 --num-slots 2000 --min-tokens 250 "
@@ -110,6 +104,12 @@ BENCHMARKS = (
               "and TTFT for SCR, prefix caching alone and the lower bound (changed + appended tokens).",
               f"{FLOAT32}; {SCR_30_NOV}.",
               (r"^\| (edit|all)",)),
+    Benchmark("tenant_flood", "Two tenants, one flooding", "tenancy",
+              "python benchmarks/tenant_flood.py",
+              "Tenant A's returning turns while tenant B floods the pool with new prompts: A's hit rate "
+              "against no flood, at plain LRU and at `--tenant-kv-share 0.5`. Goal: within 10%.",
+              "`--num-slots 2000`, in process, load 8-17.",
+              (r"^\s+tenant share", r"^\s+[01]")),
     Benchmark("edit_cost", "An edited turn against the tokens it computes", "SCR",
               "python benchmarks/edit_cost.py --repeats 1",
               "Built-in edit cases (per case, with relocation and forward: docs/benchmarks/edit_cost.txt).",
