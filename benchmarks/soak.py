@@ -48,6 +48,7 @@ from kvsplice.bench.trace import Conversation
 from kvsplice.bench.workload import generate_traces
 
 KEYS = ("sk-soak-tenant-a-5f2b9c1e7d", "sk-soak-tenant-b-08a4e6c3f1")
+ADMIN_KEY = "sk-soak-operator-3c9d1a7e52"  # flushes every tenant's cache; a tenant key flushes only its own
 ACTIONS = (("turn", 0.55), ("abort", 0.12), ("disconnect", 0.12), ("bad", 0.21))
 MAX_NEW_TOKENS = 12
 # Below this many requests after the warm-up, RSS growth per 1,000 requests is allocator noise, not a
@@ -214,7 +215,7 @@ def idle_report(url: str, timeout_s: float = 60.0) -> dict[str, Any]:
             return {"idle": False, "running": now["kvsplice_num_requests_running"],
                     "waiting": now["kvsplice_num_requests_waiting"]}
         time.sleep(0.2)
-    flushed = httpx.post(f"{url}/flush_cache", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60)
+    flushed = httpx.post(f"{url}/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
     after = gauges(url)
     return {"idle": True, "slots_total": int(now["kvsplice_kv_slots_capacity"]),
             "slots_in_use_idle": int(now["kvsplice_kv_slots_in_use"]),
@@ -371,7 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="soak_"))
     model, engine_args, traces = _model_and_traces(args, work)
     os.environ["KVSPLICE_API_KEY"] = ",".join(KEYS)  # the server's two tenants (inherited by the subprocess)
-    server = start_replica(model, "soak", engine_args=engine_args, log_path=work / "server.log")
+    server = start_replica(model, "soak", engine_args=[*engine_args, "--admin-api-key", ADMIN_KEY],
+                           log_path=work / "server.log")
     try:
         rss = {"start": rss_mb(server.process.pid)}
         tally, sampled = asyncio.run(run_traffic(server.url, server.process.pid, traces, args))
