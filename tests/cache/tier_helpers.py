@@ -79,3 +79,9 @@ class BlockingFileSystem(LocalFileSystem):
         if path.suffix == ".kvt":
             self.release.wait(timeout=30)
         super().write_atomic(path, chunks)
+
+
+def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
+    """`n` random token ids in [5, vocab), the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (n,), generator=generator).tolist()

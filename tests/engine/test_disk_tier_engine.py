@@ -8,12 +8,12 @@ import errno
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvsplice.cache.disk_tier import DiskTierConfig
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import LLM, build_engine
 from kvsplice.sampling_params import SamplingParams
+from tests.cache.tier_helpers import prompt_ids
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
 POOL = 320   # slots: three 140-token prompts do not fit together, so the first is evicted
@@ -23,11 +23,6 @@ POOL = 320   # slots: three 140-token prompts do not fit together, so the first 
 def model_dir(tmp_path_factory):
     from tiny_model import make_tiny_model_dir
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
-
-
-def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(5, vocab, (n,), generator=generator).tolist()
 
 
 def tiered_llm(model_dir: str, tier_dir: Path, fs=None, **kwargs) -> LLM:

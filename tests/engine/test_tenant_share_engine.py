@@ -5,13 +5,13 @@ only, in the pool and in the disk tier; one owner never loads another's tier ent
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvsplice.cache.disk_tier import DiskTierConfig
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import LLM, build_engine
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
+from tests.cache.tier_helpers import prompt_ids
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 POOL = 400   # slots: one tenant's prompt and two of another's fit; a third evicts
@@ -21,11 +21,6 @@ POOL = 400   # slots: one tenant's prompt and two of another's fit; a third evic
 def model_dir(tmp_path_factory):
     from tiny_model import make_tiny_model_dir
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
-
-
-def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(5, vocab, (n,), generator=generator).tolist()
 
 
 def make_llm(model_dir: str, tier_dir=None, **kwargs) -> LLM:
