@@ -72,14 +72,28 @@ def _as_bias_tuple(logit_bias: Mapping | Iterable) -> tuple[tuple[int, float], .
     if len(items) > MAX_LOGIT_BIAS_ENTRIES:
         raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(items)}")
     pairs: dict[int, float] = {}
+    bad_keys, bad_biases = [], []
     for key, bias in items:
         token_id = int(key) if isinstance(key, str) and key.isdigit() else key
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"logit_bias: keys must be token ids (ints >= 0), got {key!r}")
-        if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias: biases must be numbers in [-100, 100], got {bias!r} for token {key}")
-        pairs[token_id] = float(bias)
+            bad_keys.append(key)
+        elif not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            bad_biases.append((key, bias))
+        else:
+            pairs[token_id] = float(bias)
+    # every bad entry is named at once, so a client fixes its map in one round trip
+    if bad_keys:
+        raise ValueError(f"logit_bias: keys must be token ids (ints >= 0), got {_listed(bad_keys)}")
+    if bad_biases:
+        named = _listed([f"{bias!r} for token {key}" for key, bias in bad_biases], quote=False)
+        raise ValueError(f"logit_bias: biases must be numbers in [-100, 100], got {named}")
     return tuple(sorted(pairs.items()))
+
+
+def _listed(values: list, quote: bool = True, shown: int = 8) -> str:
+    """`values` as a comma-separated list (repr'd when `quote`), the first `shown` and a count of the rest."""
+    text = ", ".join(repr(value) if quote else str(value) for value in values[:shown])
+    return text + (f" and {len(values) - shown} more" if len(values) > shown else "")
 
 
 def _check_range(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:

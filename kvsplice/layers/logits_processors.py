@@ -59,7 +59,9 @@ class LogitsState:
             return None
         bad = [t for t, _ in params.logit_bias if t >= vocab_size]
         if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            ids = ", ".join(str(t) for t in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            named = f"token id {ids} is" if len(bad) == 1 else f"token ids {ids} are"
+            raise ValueError(f"logit_bias: {named} outside the vocabulary [0, {vocab_size})")
         penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         counts = torch.zeros(vocab_size, dtype=torch.float32) if penalised else None
         prompt_mask = None

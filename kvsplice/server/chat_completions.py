@@ -86,9 +86,9 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
     offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
                                       body.chat_template_kwargs, body.add_generation_prompt,
                                       bool(body.continue_final_message)) if state.wants_message_offsets else None
-    prompt_ids, cut = truncate_prompt(state, prompt_ids, body.truncate_prompt_tokens)
-    if offsets is not None and cut:
-        offsets = [offset - cut for offset in offsets if offset > cut]
+    prompt_ids, cut = truncate_prompt(state, prompt_ids, body.truncate_prompt_tokens, body.truncation_side)
+    if offsets is not None:
+        offsets = [offset - cut for offset in offsets if cut < offset <= cut + len(prompt_ids)]
     budget = max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
     top_n = body.top_logprobs or 0
     params = openai_sampling(body, budget, top_n if body.logprobs else None, body.prompt_logprobs, constraint,

@@ -134,7 +134,7 @@ def _prompt_params(state: ServerState, body: p.CompletionRequest, prompt_ids: li
     prompt_lps = max(wanted) if wanted else None    # one pass serves the echo and prompt_logprobs
     kept, params, cuts = [], [], []
     for ids in prompt_ids:
-        ids, cut = truncate_prompt(state, ids, body.truncate_prompt_tokens)
+        ids, cut = truncate_prompt(state, ids, body.truncate_prompt_tokens, body.truncation_side)
         # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
         budget = max_tokens(state, len(ids), 1 if score_only else body.max_tokens, "prompt")
         check_prompt_ids(state, ids, "prompt")
@@ -143,8 +143,9 @@ def _prompt_params(state: ServerState, body: p.CompletionRequest, prompt_ids: li
         params.append(openai_sampling(body, budget, body.logprobs, prompt_lps, constraint))
     if body.message_offsets is None:
         return kept, params, None
-    offsets = message_offsets(body.message_offsets, len(kept[0]) + cuts[0])   # checked against the prompt sent
-    return kept, params, message_offsets([o - cuts[0] for o in offsets if o > cuts[0]], len(kept[0]))
+    offsets = message_offsets(body.message_offsets, len(prompt_ids[0]))   # checked against the prompt sent
+    kept_offsets = [o - cuts[0] for o in offsets if cuts[0] < o <= cuts[0] + len(kept[0])]
+    return kept, params, message_offsets(kept_offsets, len(kept[0]))
 
 
 async def _prefill_shared_prefix(state: ServerState, request: Request, body: p.CompletionRequest, rid: str,

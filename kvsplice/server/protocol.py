@@ -266,6 +266,7 @@ class _SamplingFields(_OpenAIRequest):
     scr: Union[str, dict[str, Any], None] = None
     # vLLM extras on the prompt and the answer
     truncate_prompt_tokens: Optional[StrictInt] = None
+    truncation_side: Optional[Literal["left", "right"]] = None  # left (default): keep the prompt's end
     prompt_logprobs: Optional[StrictInt] = None
     return_token_ids: StrictBool = False
     # SGLang extras: `regex` is guided_regex under SGLang's name; regex stops are not supported
@@ -307,6 +308,13 @@ class _SamplingFields(_OpenAIRequest):
         if tokens is not None and tokens != -1 and tokens < 1:
             raise ValueError(f"must be -1 (the context limit) or an int >= 1, got {tokens}")
         return tokens
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        # OpenAI and vLLM refuse them too: they would otherwise be accepted and do nothing
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> "_SamplingFields":

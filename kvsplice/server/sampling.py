@@ -61,9 +61,12 @@ def check_stop_token_ids(state: ServerState, ids: Optional[list[int]], param: st
         raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
 
-def truncate_prompt(state: ServerState, prompt_ids: list[int], keep: Optional[int]) -> tuple[list[int], int]:
-    """vLLM's `truncate_prompt_tokens`: the last `keep` ids of the prompt (-1: the context limit), and how
-    many were cut from its start; 400 when `keep` exceeds the context limit."""
+def truncate_prompt(state: ServerState, prompt_ids: list[int], keep: Optional[int],
+                    side: Optional[str] = None) -> tuple[list[int], int]:
+    """vLLM's `truncate_prompt_tokens`: `keep` ids of the prompt (-1: the context limit) and how many
+    were cut from its start. `side` (vLLM's `truncation_side`) "left" (the default) cuts from the start
+    and keeps the prompt's end; "right" keeps its start (nothing cut from the start: 0). 400 when `keep`
+    exceeds the context limit."""
     if keep is None:
         return prompt_ids, 0
     limit = state.context_limit
@@ -72,7 +75,7 @@ def truncate_prompt(state: ServerState, prompt_ids: list[int], keep: Optional[in
                        param="truncate_prompt_tokens")
     keep = limit if keep == -1 else keep
     cut = max(0, len(prompt_ids) - keep)
-    return prompt_ids[cut:], cut
+    return (prompt_ids[:keep], 0) if side == "right" else (prompt_ids[cut:], cut)
 
 
 def openai_sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],

@@ -218,6 +218,9 @@ def test_penalties_change_greedy_output(client):
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
     ({"functions": [{"name": "f"}]}, "functions", "use tools"),
     ({"logit_bias": {"999999": 5}}, "logit_bias", "outside the vocabulary"),
+    ({"logit_bias": {"999999": 5, "5": 1, "888888": 2}}, "logit_bias", "888888, 999999 are outside"),
+    ({"logit_bias": {"x": 5, "y": 1}}, "logit_bias", "'x', 'y'"),
+    ({"logit_bias": {"1": 500, "2": -500}}, "logit_bias", "500.0 for token 1, -500.0 for token 2"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(server, body, param, needle):
     response = post(server, body)

@@ -47,7 +47,8 @@ ACCEPTED = {
     "add_generation_prompt": {"add_generation_prompt": False},
     "continue_final_message": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
                                "continue_final_message": True, "add_generation_prompt": False},
-    "truncate_prompt_tokens": {"truncate_prompt_tokens": 1}, "prompt_logprobs": {"prompt_logprobs": 1},
+    "truncate_prompt_tokens": {"truncate_prompt_tokens": 1},
+    "truncation_side": {"truncate_prompt_tokens": 1, "truncation_side": "right"}, "prompt_logprobs": {"prompt_logprobs": 1},
     "return_token_ids": {"return_token_ids": True}, "regex": {"regex": "a+"},
     "cache_salt": {"cache_salt": "salt"}, "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
 }

@@ -85,6 +85,12 @@ def test_continuous_usage_of_the_wrong_type_is_a_400(server, path):
             stream_options={"include_usage": True, "continuous_usage_stats": "yes"})
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_stream_options_without_stream_is_a_400(server, path):
+    assert "stream" in refused(server, path, "stream_options", stream_options={"include_usage": True})
+    ok(server, path, stream_options=None)
+
+
 # ----- return_token_ids ---------------------------------------------------------------------------------
 
 
@@ -193,8 +199,21 @@ def test_chat_keeps_the_last_tokens_of_the_rendered_prompt(server):
     assert truncated["prompt_token_ids"] == full["prompt_token_ids"][-4:]
 
 
+def test_truncation_side_right_keeps_the_first_tokens(server):
+    ids = tokenizer(server).encode(PROMPT)
+    kept = ok(server, COMPLETIONS, truncate_prompt_tokens=5, truncation_side="right", echo=True, max_tokens=0,
+              logprobs=0)["choices"][0]
+    assert kept["text"] == tokenizer(server).decode(ids[:5], skip_special_tokens=False)
+    left = ok(server, COMPLETIONS, truncate_prompt_tokens=5, truncation_side="left", max_tokens=3)
+    assert left["choices"][0]["text"] == ok(server, COMPLETIONS, prompt=ids[-5:], max_tokens=3)["choices"][0]["text"]
+    full = ok(server, CHAT, return_token_ids=True)
+    right = ok(server, CHAT, truncate_prompt_tokens=4, truncation_side="right", return_token_ids=True)
+    assert right["prompt_token_ids"] == full["prompt_token_ids"][:4]
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_bad_truncation_is_a_400_naming_it(server, path):
+    refused(server, path, "truncation_side", truncate_prompt_tokens=3, truncation_side="middle")
     limit = server.state.context_limit
     assert str(limit) in refused(server, path, "truncate_prompt_tokens", truncate_prompt_tokens=limit + 1)
     refused(server, path, "truncate_prompt_tokens", truncate_prompt_tokens=0)
