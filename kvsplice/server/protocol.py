@@ -22,15 +22,16 @@ list (`"stop": [""]`), as vLLM does: it would match before the first token.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, ValidationInfo,
+                      field_validator, model_validator)
 
 from kvsplice.sampling_params import MAX_LOGPROBS
 from kvsplice.server.limits import RequestLimits
 
 from kvsplice.structured.spec import canonical_json, check_schema, nesting_depth
+from kvsplice.structured.stop_patterns import compile_stop_regex
 
 MAX_N = 16              # choices per request (n, best_of)
 MAX_TOOLS = 128         # OpenAI's limit on `tools`
@@ -67,6 +68,22 @@ def _check_stop(stop: Union[str, list[str], None], info: ValidationInfo) -> Unio
             raise ValueError(f"a stop string may have at most {limits.max_stop_chars} characters, "
                              f"got {len(entry)}")
     return stop
+
+
+def _check_stop_regex(patterns: Union[str, list[str], None], info: ValidationInfo) -> Union[str, list[str], None]:
+    """SGLang's `stop_regex`: at most max_stop patterns of at most max_stop_chars characters, each one
+    that compiles and cannot match the empty string."""
+    if patterns is None:
+        return patterns
+    limits = request_limits(info)
+    entries = [patterns] if isinstance(patterns, str) else patterns
+    if len(entries) > limits.max_stop:
+        raise ValueError(f"at most {limits.max_stop} stop regexes are allowed, got {len(entries)}")
+    for entry in entries:
+        if len(entry) > limits.max_stop_chars:
+            raise ValueError(f"a stop regex may have at most {limits.max_stop_chars} characters, got {len(entry)}")
+        compile_stop_regex(entry)
+    return patterns
 
 
 def _check_stop_token_ids(ids: Optional[list[int]], info: ValidationInfo) -> Optional[list[int]]:
@@ -222,7 +239,10 @@ class ChatMessage(BaseModel):
     """
 
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # the five OpenAI roles, or a custom one (vLLM passes any role name to the chat template, which
+    # renders it or refuses it: a template error is a 400)
+    role: Union[Literal["system", "developer", "user", "assistant", "tool"],
+                Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
@@ -243,7 +263,7 @@ class _SamplingFields(_OpenAIRequest):
     min_tokens: StrictInt = 0
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[StrictInt]] = None
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(default=None, ge=-2**63, le=2**63 - 1)   # int64, as OpenAI and vLLM
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     n: StrictInt = 1
@@ -294,13 +314,7 @@ class _SamplingFields(_OpenAIRequest):
     def _sglang_on(cls, value: Optional[bool], info) -> Optional[bool]:
         return _refuse_unless_neutral(f"{info.field_name}: false", value, (None, True))
 
-    @field_validator("stop_regex")
-    @classmethod
-    def _no_stop_regex(cls, value: Union[str, list[str], None]) -> Union[str, list[str], None]:
-        if value not in (None, []):
-            raise ValueError("stop_regex is not supported by this server: stop strings only "
-                             "(see docs/COMPATIBILITY.md)")
-        return value
+    _stop_regex_limits = field_validator("stop_regex")(_check_stop_regex)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -521,10 +535,12 @@ class GenerateSamplingParams(_Request):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     seed: Optional[StrictInt] = Field(default=None, alias="sampling_seed")
+    stop_regex: Union[str, list[str], None] = None
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     _stop_limits = field_validator("stop")(_check_stop)
+    _stop_regex_limits = field_validator("stop_regex")(_check_stop_regex)
     _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
 
 

@@ -92,6 +92,7 @@ def openai_sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Option
             min_p=fields.min_p or 0.0,
             seed=fields.seed,
             stop=fields.stop or (),
+            stop_regex=fields.stop_regex or (),
             stop_token_ids=tuple(fields.stop_token_ids or ()),
             ignore_eos=fields.ignore_eos,
             logprobs=logprobs,
@@ -115,7 +116,8 @@ def sglang_sampling(sp: p.GenerateSamplingParams, max_tokens: int) -> SamplingPa
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=sp.top_k if sp.top_k not in (None, 0, -1) else None, min_p=sp.min_p,
-                              seed=sp.seed, stop=sp.stop or (), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                              seed=sp.seed, stop=sp.stop or (), stop_regex=sp.stop_regex or (),
+                              stop_token_ids=tuple(sp.stop_token_ids or ()),
                               ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens)
     except ValueError as exc:
         raise bad_request(exc, "sampling_params.") from exc

@@ -27,7 +27,7 @@ def _chat(**fields) -> dict:
     ("/v1/chat/completions", _chat(max_tokens=0), 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, 400, "at least one message"),
     ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "not a role!", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", _chat(n=17), 400, "[1, 16]"),
     ("/v1/chat/completions", _chat(temperature=-1), 400, "temperature"),
     ("/v1/chat/completions", _chat(top_p=0), 400, "top_p"),

@@ -49,14 +49,14 @@ ACCEPTED = {
                                "continue_final_message": True, "add_generation_prompt": False},
     "truncate_prompt_tokens": {"truncate_prompt_tokens": 1},
     "truncation_side": {"truncate_prompt_tokens": 1, "truncation_side": "right"}, "prompt_logprobs": {"prompt_logprobs": 1},
-    "return_token_ids": {"return_token_ids": True}, "regex": {"regex": "a+"},
+    "return_token_ids": {"return_token_ids": True}, "regex": {"regex": "a+"}, "stop_regex": {"stop_regex": ["zz+"]},
     "cache_salt": {"cache_salt": "salt"}, "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
 }
 REFUSED = {
     "message_offsets": [0],
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f"}], "function_call": "auto",
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
-    "web_search_options": {}, "moderation": {"model": "x"}, "suffix": "tail", "stop_regex": ["a+"],
+    "web_search_options": {}, "moderation": {"model": "x"}, "suffix": "tail",
 }
 DEFAULT_ONLY = {
     "store": (False, True), "service_tier": ("auto", "flex"), "modalities": (["text"], ["text", "audio"]),

@@ -1,5 +1,5 @@
 """The vLLM and SGLang extras over HTTP, on chat and completions: continuous usage in streams,
-return_token_ids, stop_reason / matched_stop, regex (and stop_regex refused), truncate_prompt_tokens,
+return_token_ids, stop_reason / matched_stop, regex and stop_regex, truncate_prompt_tokens,
 prompt_logprobs, `logprobs: 0`, stop_token_ids inside the vocabulary, echo of a prompt with special
 tokens. Each bad value is a 400 naming its field."""
 
@@ -169,9 +169,28 @@ def test_bad_regex_fields_are_400s_naming_them(server, path):
     refused(server, path, "regex", regex="(")
     refused(server, path, "regex", regex="a", guided_regex="b")
     refused(server, path, "regex", regex=5)
-    assert "stop_regex" in refused(server, path, "stop_regex", stop_regex=["a+"])
-    refused(server, path, "stop_regex", stop_regex="a+")
+    assert "does not compile" in refused(server, path, "stop_regex", stop_regex=["a+", "("])
+    assert "empty string" in refused(server, path, "stop_regex", stop_regex="a*")
+    refused(server, path, "stop_regex", stop_regex=["a"] * 100)
+    refused(server, path, "stop_regex", stop_regex=5)
     ok(server, path, stop_regex=[])
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_stop_regex_cuts_before_the_first_match_and_is_the_matched_stop(server, path):
+    plain = ok(server, path, max_tokens=8)["choices"][0]
+    text = plain["message"]["content"] if path == CHAT else plain["text"]
+    piece = next(text[i:i + 2] for i in range(1, len(text) - 1)
+                 if text.find(text[i:i + 2]) == i and "\ufffd" not in text[i:i + 2])
+    pattern = re.escape(piece) + "|zzz+q"
+    stopped = ok(server, path, max_tokens=8, stop_regex=[pattern])["choices"][0]
+    cut = stopped["message"]["content"] if path == CHAT else stopped["text"]
+    assert cut == text[:text.index(piece)], (text, piece, cut)
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["matched_stop"] == pattern and stopped["stop_reason"] == pattern
+    streamed = chunks(server, path, max_tokens=8, stop_regex=pattern)
+    pieces = [c.get("delta", {}).get("content") or c.get("text") or "" for e in streamed for c in e["choices"]]
+    assert "".join(pieces) == cut
 
 
 # ----- truncate_prompt_tokens ---------------------------------------------------------------------------
@@ -310,3 +329,32 @@ def test_echo_of_a_prompt_with_special_tokens_is_consistent_with_its_tokens(serv
     for token, offset in zip(logprobs["tokens"][:len(ids)], logprobs["text_offset"]):
         assert text[offset:offset + len(token)] == token
     assert logprobs["text_offset"][len(ids)] == len(echoed)
+
+
+# ----- vLLM's defaults and bounds ----------------------------------------------------------------------
+
+
+def test_completions_default_to_16_tokens(server):
+    answer = httpx.post(f"{server.url}{COMPLETIONS}", json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True},
+                        timeout=60).json()
+    assert answer["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_prompt_logprobs_key_is_null_when_not_asked_for(server, path):
+    answer = ok(server, path)
+    holder = answer if path == CHAT else answer["choices"][0]
+    assert "prompt_logprobs" in holder and holder["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("seed, bound", [(-2**63 - 1, "greater_than_equal"), (2**63, "less_than_equal")])
+def test_seed_is_an_int64(server, seed, bound):
+    assert bound in refused(server, CHAT, "seed", seed=seed)
+    ok(server, CHAT, seed=seed + (1 if seed < 0 else -1))
+
+
+def test_a_custom_role_reaches_the_template(server):
+    text = ok(server, CHAT, messages=[{"role": "my-custom-role", "content": "what is 1+1?"}])
+    parts = ok(server, CHAT, messages=[{"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}])
+    assert text["choices"][0]["message"]["content"] == parts["choices"][0]["message"]["content"]
+    refused(server, CHAT, "messages.0.role", messages=[{"role": "two words", "content": "x"}])

@@ -3,3 +3,7 @@ from served import NotInKvsplice
 
 class ChatCompletionRequest(NotInKvsplice):
     pass
+
+
+class BatchChatCompletionRequest(NotInKvsplice):
+    pass

@@ -1,0 +1,5 @@
+from served import NotInKvsplice
+
+
+class VLLMValidationError(NotInKvsplice, ValueError):
+    pass
