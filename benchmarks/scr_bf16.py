@@ -41,7 +41,11 @@ recompute over the prefix cache) KL 0.00000, so the computed rows now match exac
 float32 (docs/benchmarks/fidelity_front.txt). Decoding turn 1's reply on the dense copy instead of
 the int4 kernel left replace_with_note unchanged (0.0019), so what remains is in the relocated K/V
 themselves (move_keys leaves about 13% of a moved key's elements an ulp off the fresh key) or in how
-bf16 amplifies SCR's stale context: not yet separated.
+bf16 amplifies SCR's stale context. Separated since (docs/benchmarks/fidelity_front_bf16.notes.md):
+relocated keys set to exactly round(R(dst) k_proj) of turn 1's captured projections score no better
+(delete_tool_result 0.00274 against 0.00260 served, mean over the last 32), the dtypes' own exact
+recomputes differ by 0.00104, and more recompute barely moves the bf16 figure: it is bf16 rounding
+of turn 1's forward under the stale context, spread over every relocated token, not the relocation.
 """
 import argparse
 import json

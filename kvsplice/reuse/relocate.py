@@ -15,6 +15,10 @@ would round it a second time; `kvsplice.layers.rotary.move_keys` turns it back t
 grid first and rounds once at dst, as the forward does. What relocation cannot fix is that the K/V
 were computed while attending to the old context: that is SCR's approximation, bounded by
 recomputing each span's tail. V is position-free and is copied as is.
+
+`relocate` works one layer at a time with `kvsplice.layers.rotary_move` (the fast path);
+`relocate_reference` is the same copy through `move_keys` on every layer at once, kept as the
+reference it is tested against bit for bit (tests/reuse/test_relocate_precision.py).
 """
 
 from __future__ import annotations
@@ -22,21 +26,80 @@ from __future__ import annotations
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.layers.rotary import Rotary
+from kvsplice.layers.rotary import LayerRotaries, Rotary
+from kvsplice.layers.rotary_move import SpanTurn, pool_layer_rotaries, span_turn, turn_layer_keys_
 from kvsplice.reuse.plan import Keep
 
 
 def relocate(pool: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor, keep: Keep,
-             rotary: Rotary | None) -> None:
+             rotary: Rotary | LayerRotaries | None) -> None:
     """Copy K/V of `src_slots` (the old sequence's positions keep.src_pos ...) into `dst_slots`
     (positions keep.dst_pos ...) in every layer, keys turned to the new positions (skipped when
     `rotary` is None: the NO_REROTATE control, ReuseConfig.no_rerotate, set only in code).
 
-    Side effect: writes pool.k / pool.v at dst_slots. src and dst must not overlap.
+    One layer at a time: its keys gathered once, turned in place with the span's tables (computed
+    once per distinct RoPE, `rotary_move.span_turn`), written once; bit for bit
+    `relocate_reference`. Side effect: writes pool.k / pool.v at
+    dst_slots. src and dst must not overlap.
     """
+    _check_lengths(src_slots, dst_slots, keep)
+    turns = _span_turns(pool, keep, rotary)
+    src, dst = _as_run(src_slots), _as_run(dst_slots)
+    for layer in range(pool.k.shape[0]):
+        keys = _gather(pool.k_layer(layer), src)                       # [n, kv_heads, head_dim], a copy
+        if turns is not None:
+            turn_layer_keys_(keys, turns[layer])
+        _scatter(pool.k_layer(layer), dst, keys)
+        _scatter(pool.v_layer(layer), dst, _gather(pool.v_layer(layer), src))
+
+
+def _as_run(slots: torch.Tensor) -> slice | torch.Tensor:
+    """`slots` as a slice when they are consecutive ascending slot numbers (a fresh allocation
+    usually is: slices copy several times faster than index_select / index_copy_), else as given."""
+    if not slots.numel():
+        return slots
+    first, last = int(slots[0]), int(slots[-1])
+    if last - first + 1 == slots.numel() and bool(torch.all(slots[1:] - slots[:-1] == 1)):
+        return slice(first, last + 1)
+    return slots
+
+
+def _gather(layer: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor:
+    return layer[slots].clone() if isinstance(slots, slice) else layer.index_select(0, slots)
+
+
+def _scatter(layer: torch.Tensor, slots: slice | torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(slots, slice):
+        layer[slots].copy_(values)
+    else:
+        layer.index_copy_(0, slots, values)
+
+
+def _span_turns(pool: KVPool, keep: Keep, rotary: Rotary | LayerRotaries | None) -> list[SpanTurn] | None:
+    """Each pool layer's SpanTurn for `keep` (one per distinct RoPE, shared), or None: nothing to turn."""
+    if rotary is None or keep.delta == 0:
+        return None
+    by_rotary: dict[int, SpanTurn] = {}
+    turns = []
+    for layer_rotary in pool_layer_rotaries(rotary, pool.k.shape[0]):
+        if id(layer_rotary) not in by_rotary:
+            by_rotary[id(layer_rotary)] = span_turn(layer_rotary, keep.src_pos, keep.dst_pos, keep.length,
+                                                    pool.k.dtype, pool.k.device)
+        turns.append(by_rotary[id(layer_rotary)])
+    return turns
+
+
+def _check_lengths(src_slots: torch.Tensor, dst_slots: torch.Tensor, keep: Keep) -> None:
     if not src_slots.numel() == dst_slots.numel() == keep.length:
         raise ValueError(f"{src_slots.numel()} source slots and {dst_slots.numel()} destinations "
                          f"for a span of {keep.length}")
+
+
+def relocate_reference(pool: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor, keep: Keep,
+                       rotary: Rotary | LayerRotaries | None) -> None:
+    """`relocate` through `Rotary.move_keys` on all layers side by side (the reference path: plain
+    RoPE formulas, full-width tables, one `[n, layers * heads, head_dim]` call). Same contract."""
+    _check_lengths(src_slots, dst_slots, keep)
     keys = pool.k[:, src_slots]                                   # [layers, n, kv_heads, head_dim]
     if rotary is not None and keep.delta != 0:
         layers, n, heads, dim = keys.shape
