@@ -49,7 +49,9 @@ from kvsplice.bench.machine import cpu_line
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "kvsplice-harnesses"
-PACKAGES = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code", "opencode": "opencode-ai"}
+# pinned: the versions the saved report was measured with (a newer CLI may send fields of its own)
+PACKAGES = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.197",
+            "opencode": "opencode-ai@1.18.33"}
 SERVED_NAME = "gemma-3-270m"
 API_KEY = "sk-kvsplice-harness-0123456789"
 END_OF_TURN = "<end_of_turn>"
@@ -334,7 +336,9 @@ def claude_run(home: Path, base_url: str, reply_tokens: int) -> HarnessRun:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": SERVED_NAME, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(reply_tokens),
-        "API_TIMEOUT_MS": "3600000", "CLAUDE_CODE_MAX_RETRIES": "0"})
+        # its stream watchdog gives up on a request after 300 s without a byte (at least that, whatever
+        # this says): a 20K-token prefill on a loaded CPU takes longer
+        "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "CLAUDE_CODE_MAX_RETRIES": "0"})
 
 
 def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> HarnessRun:
