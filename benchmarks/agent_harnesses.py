@@ -514,14 +514,33 @@ def report(saved: list[dict[str, Any]]) -> None:
               f"{sum(len(row['errors']) for row in rows if row['status'] < 400)} | "
               f"{sum(len(turn['cli_errors']) for turn in run['turns'])} | {prompt} | {prefilled} | {share} |")
     print()
+    per_turn(saved)
+    print()
     for run in saved:
         print(f"{run['harness']} server log: {run['server_log']}")
         for turn in run["turns"]:
+            last = [line.strip() for line in turn["tail"].splitlines() if line.strip()][-2:]
+            print(f"{run['harness']} turn {turn['turn']} (exit {turn['exit']}) ended printing: {' / '.join(last)[:300]!r}")
             for line in turn["cli_errors"][:3]:
                 print(f"{run['harness']} turn {turn['turn']} CLI: {line}")
         for row in analyse(run["exchanges"]):
             for error in row["errors"][:1]:
                 print(f"{run['harness']} req {row['req']} ({row['status']}): {error}")
+
+
+def per_turn(saved: list[dict[str, Any]]) -> None:
+    """One row per CLI turn: its exit, its requests (and their statuses) and their reuse added up."""
+    print("| harness | turn | CLI exit | requests (status) | prompt | prefix | relocated | prefilled | from cache |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for run in saved:
+        rows = analyse(run["exchanges"])
+        for turn in run["turns"]:
+            mine = [row for row in rows if row["turn"] == turn["turn"]]
+            sums = {key: sum(row[key] or 0 for row in mine) for key in ("prompt", "prefix", "relocated", "prefilled")}
+            statuses = ",".join(sorted({str(row["status"]) for row in mine}))
+            share = f"{1 - sums['prefilled'] / sums['prompt']:.1%}" if sums["prompt"] else "-"
+            print(f"| {run['harness']} | {turn['turn']} | exit {turn['exit']} | {len(mine)} ({statuses}) | "
+                  f"{sums['prompt']} | {sums['prefix']} | {sums['relocated']} | {sums['prefilled']} | {share} |")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
