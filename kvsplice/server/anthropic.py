@@ -2,7 +2,9 @@
 (chat_turn.py), so tools, grammar-forced calls, limits, tenancy and Suffix Cache Reuse work exactly as on
 /v1/chat/completions.
 
-    MessagesRequest ─> chat messages: system (string or text blocks), then each message's blocks:
+    MessagesRequest ─> chat messages: system (string or text blocks), then each message's blocks
+                       (a system-role message, as Claude Code sends mid-conversation: a system message,
+                       which chat.py folds into the next user turn where the template shows none there):
                        text -> its role's text, tool_use -> the assistant's tool_calls,
                        tool_result -> a tool message, thinking -> the assistant's reasoning_content
         ─> chat turn ─> content blocks: thinking, text, tool_use; stop_reason end_turn | max_tokens |
@@ -111,7 +113,12 @@ def chat_messages(body) -> list[dict[str, Any]]:
     system = _system_text(body.system)
     out = [{"role": "system", "content": system}] if system else []
     for message in body.messages:
-        out.extend(_user_messages(message.content) if message.role == "user" else [_assistant_message(message.content)])
+        if message.role == "system":
+            out.append({"role": "system", "content": _system_text(message.content) or ""})
+        elif message.role == "user":
+            out.extend(_user_messages(message.content))
+        else:
+            out.append(_assistant_message(message.content))
     return out
 
 

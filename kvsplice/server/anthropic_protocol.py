@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from kvsplice.server.protocol import (FUNCTION_NAME, _check_id, _check_stop, _refuse_unless_neutral, check_tool_count,
                                       request_limits)
-from kvsplice.structured.spec import check_schema
+from kvsplice.structured.spec import check_schema, check_tool_schema
 
 
 class _Strict(BaseModel):
@@ -84,8 +84,21 @@ ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, Thinkin
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    """A turn of the conversation. `system` (which Claude Code sends mid-conversation, e.g. for a
+    reminder) holds text only; anthropic.py gives it to the chat template as a system turn, folded into
+    the neighbouring user turn where the template cannot show one there (chat.py)."""
+
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[ContentBlock]]
+
+    @field_validator("content")
+    @classmethod
+    def _system_is_text(cls, content: Any, info: ValidationInfo) -> Any:
+        if info.data.get("role") == "system" and not isinstance(content, str):
+            kinds = sorted({block.type for block in content if not isinstance(block, TextBlock)})
+            if kinds:
+                raise ValueError(f"a system message holds text blocks only, got {', '.join(kinds)}")
+        return content
 
 
 class Tool(_Strict):
@@ -101,7 +114,7 @@ class Tool(_Strict):
     @field_validator("input_schema")
     @classmethod
     def _bounded(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        check_schema(schema, "input_schema")
+        check_tool_schema(schema, "input_schema")
         return schema
 
 

@@ -18,7 +18,9 @@ Then `ChatRenderer` normalises what a template cannot take, judged from its sour
 - a template that never mentions `tool_calls` gets the calls written into the assistant's content in
   the tool parser's syntax; one that never mentions `tools` gets the tool definitions in the system
   message (the parser's instructions, Hermes-style by default);
-- a template that rejects `tool` messages gets them as user turns wrapped in <tool_response>.
+- a template that rejects `tool` messages gets them as user turns wrapped in <tool_response>;
+- a system message after the first message stays a system turn where the template renders it, else it
+  is folded into the neighbouring user turn (late_system.py).
 A template that still fails is a ChatTemplateError (HTTP 400) naming the first message it rejects.
 
 Reasoning blocks in replies: with a reasoning parser (`<think>` ... `</think>`), `split_reasoning` moves the
@@ -27,6 +29,7 @@ block out of the reply text into `reasoning_content`, as vLLM's reasoning parser
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvsplice.message_offsets import message_offsets
+from kvsplice.server.late_system import fold_late_systems, late_system_indices, shows_late_systems
 from kvsplice.server.protocol import ChatMessage
 from kvsplice.server.tool_parsers import ToolParser, detect_parser
 from kvsplice.tokenizer import Tokenizer
@@ -210,6 +214,16 @@ class ChatRenderer:
         dicts, origins = self._for_template(message_dicts(messages), tools)
         template_tools = tools if (tools and self.renders_tools) else None
         extra = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+        if not late_system_indices(dicts):
+            return self._rendering_of(dicts, origins, template_tools, extra)
+        with contextlib.suppress(ChatTemplateError):
+            rendering = self._rendering_of(dicts, origins, template_tools, extra)
+            if shows_late_systems(rendering.dicts, rendering.text):
+                return rendering
+        return self._rendering_of(*fold_late_systems(dicts, origins), template_tools, extra)
+
+    def _rendering_of(self, dicts: list[dict[str, Any]], origins, template_tools, extra) -> "_Rendering":
+        """The rendering of `dicts`, with tool messages as user turns where the template rejects them."""
         try:
             return _Rendering(dicts, template_tools, extra, self._apply(dicts, template_tools, extra))
         except ChatTemplateError as first_error:

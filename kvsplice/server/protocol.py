@@ -30,7 +30,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strin
 from kvsplice.sampling_params import MAX_LOGPROBS
 from kvsplice.server.limits import RequestLimits
 
-from kvsplice.structured.spec import canonical_json, check_schema, nesting_depth
+from kvsplice.structured.spec import canonical_json, check_tool_schema, nesting_depth
 from kvsplice.structured.stop_patterns import compile_stop_regex
 
 MAX_N = 16              # choices per request (n, best_of)
@@ -143,7 +143,7 @@ class FunctionDefinition(_OpenAIRequest):
     @classmethod
     def _bounded(cls, parameters: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         if parameters is not None:
-            check_schema(parameters, "parameters")
+            check_tool_schema(parameters, "parameters")
         return parameters
 
 

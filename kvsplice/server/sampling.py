@@ -141,10 +141,23 @@ async def compile_constraint(state: ServerState, spec: Optional[StructuredSpec],
 def reply_plan(state: ServerState, body: p.ChatCompletionRequest) -> tuple[ToolPlan, Optional[StructuredSpec], str]:
     """The request's ToolPlan, the constraint on its reply, and the field that constraint came from."""
     try:
-        tools = plan_tools(body, state.chat.parser, state.vocab, state.special_tokens)
+        tools = plan_tools(body, state.chat.parser, state.vocab, state.special_tokens, reply_chars(state, body))
         return tools, reply_constraint(body, tools.forced), "tools" if tools.forced else constraint_field(body)
     except (ToolRequestError, ConstraintError) as error:
         raise ApiError(400, str(error), param=error.param) from error
+
+
+def reply_chars(state: ServerState, body: p.ChatCompletionRequest) -> Optional[int]:
+    """The most characters `body`'s reply can have: its budget at most (max_tokens, else the default
+    budget of `max_tokens()` for an empty prompt, which a real prompt only shortens) times the longest
+    token's characters (None without a vocabulary)."""
+    if state.longest_token_chars is None:
+        return None
+    budget = body.max_tokens
+    if budget is None:
+        default = state.engine.tokenizer.max_new_tokens
+        budget = state.context_limit if default is None else min(state.context_limit, default)
+    return budget * state.longest_token_chars
 
 
 def text_constraint(body: p._SamplingFields) -> Optional[StructuredSpec]:

@@ -67,6 +67,9 @@ class ServerState:
         self.chat = ChatRenderer(engine.tokenizer, settings.chat_template, parser)
         backend = engine.tokenizer.backend
         self.vocab = backend.get_vocab() if hasattr(backend, "get_vocab") else None
+        # characters of the longest token's text, at least what it decodes to (a byte-fallback token's
+        # "<0x0A>" is 6 for 1): bounds the characters a reply of n tokens can have (sampling.reply_chars)
+        self.longest_token_chars = max(map(len, self.vocab), default=0) if self.vocab else None
         self.special_tokens = frozenset(token.content for token in getattr(backend, "added_tokens_decoder", {}).values()
                                         if token.special)
         self.limits = settings.limits.resolve(self.context_limit)

@@ -52,9 +52,11 @@ NO_TOOLS = ToolPlan(None, False, None, None, False)
 
 
 def plan_tools(body: ChatCompletionRequest, parser: ToolParser, vocab: Optional[dict[str, int]],
-               special_tokens: frozenset[str]) -> ToolPlan:
+               special_tokens: frozenset[str], reply_chars: Optional[int] = None) -> ToolPlan:
     """The ToolPlan of `body`; ToolRequestError for a choice that names no offered function or needs
-    tools that are not there. `vocab` / `special_tokens`: the tokenizer's (for the parser's syntax)."""
+    tools that are not there, or a forced call whose schema the grammar cannot take. `vocab` /
+    `special_tokens`: the tokenizer's (for the parser's syntax). `reply_chars`: the most characters the
+    reply can have (a forced call's schema bound above it is no constraint; None: unknown)."""
     tools = body.tools or []
     choice = body.tool_choice or ("auto" if tools else "none")
     if not tools and choice in ("none", "auto"):
@@ -73,8 +75,11 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser, vocab: Optional[
     parallel = body.parallel_tool_calls is not False
     forced = None
     if choice != "auto":
-        forced = StructuredSpec.tool_calls(parser.syntax(vocab), functions,
-                                           parallel=parallel and not isinstance(choice, NamedToolChoice))
+        try:
+            forced = StructuredSpec.tool_calls(parser.syntax(vocab), functions, reply_chars=reply_chars,
+                                               parallel=parallel and not isinstance(choice, NamedToolChoice))
+        except ValueError as error:
+            raise ToolRequestError(str(error), "tools") from error
     keep_special = any(marker in special_tokens for marker in parser.markers)
     return ToolPlan(_template_tools(tools), True, forced, None if parallel else 1, keep_special)
 

@@ -14,6 +14,16 @@ with it (kvsplice.structured.matcher). Kinds and their `value`:
 Sizes are bounded here, where the spec is built (ValueError naming the field): a value of at most
 MAX_SPEC_CHARS characters, a schema nested at most MAX_SCHEMA_DEPTH levels whose length and count
 bounds are at most MAX_SCHEMA_REPEAT, at most MAX_CHOICES choices.
+
+A tool's input schema (check_tool_schema) may set an upper bound (maxLength, maxItems, maxProperties)
+above MAX_SCHEMA_REPEAT: agents declare such bounds (Claude Code: a file's content of maxLength 524288),
+and until a call is grammar-forced the schema only describes the tool to the model. When the call is
+forced (StructuredSpec.tool_calls), such a bound is dropped from the grammar only where the reply cannot
+reach it: each string character, array item or object property takes at least one character of the
+reply, and a reply of `reply_tokens` tokens has at most reply_tokens x longest-token characters, so a
+bound at or above that is no constraint. A bound the reply could reach is refused (ValueError naming the
+field), so no grammar ever holds a repeat above MAX_SCHEMA_REPEAT. Lower bounds (minLength, minItems,
+minProperties) above it force that much output and are always refused.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ MAX_CHOICES = 256
 # maxLength 100,000 takes seconds).
 MAX_SCHEMA_REPEAT = 10_000
 REPEAT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+UPPER_BOUND_KEYWORDS = ("maxLength", "maxItems", "maxProperties")
 
 SpecKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
@@ -68,9 +79,23 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
-def check_schema(schema: Any, field: str) -> None:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _large_upper_bound(node: dict[str, Any], keyword: str) -> bool:
+    return keyword in UPPER_BOUND_KEYWORDS and _is_number(node.get(keyword)) and node[keyword] > MAX_SCHEMA_REPEAT
+
+
+def check_tool_schema(schema: Any, field: str) -> None:
+    """check_schema for a tool's input schema: upper bounds above MAX_SCHEMA_REPEAT are allowed (they
+    are settled when a call is forced: `without_unreachable_bounds`)."""
+    check_schema(schema, field, allow_large_upper_bounds=True)
+
+
+def check_schema(schema: Any, field: str, allow_large_upper_bounds: bool = False) -> None:
     """ValueError naming `field` unless `schema` is a JSON object (or a boolean schema) within the
-    depth and size limits."""
+    depth and size limits (`allow_large_upper_bounds`: see check_tool_schema)."""
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
     if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
@@ -80,8 +105,31 @@ def check_schema(schema: Any, field: str) -> None:
     for node in _walk(schema):
         for keyword in REPEAT_KEYWORDS:
             bound = node.get(keyword)
-            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > MAX_SCHEMA_REPEAT:
+            if allow_large_upper_bounds and _large_upper_bound(node, keyword):
+                continue
+            if _is_number(bound) and bound > MAX_SCHEMA_REPEAT:
                 raise ValueError(f"{field}: {keyword} {bound} is above this server's limit of {MAX_SCHEMA_REPEAT}")
+
+
+def without_unreachable_bounds(schema: Any, field: str, reply_chars: int | None) -> Any:
+    """`schema` (a tool's input, check_tool_schema passed) as a grammar may take it: a copy without the
+    upper bounds above MAX_SCHEMA_REPEAT that a reply of at most `reply_chars` characters cannot reach
+    (none dropped: `schema` itself). ValueError naming `field` for such a bound the reply could reach, or
+    any when `reply_chars` is unknown (None)."""
+    if not any(_large_upper_bound(node, k) for node in _walk(schema) for k in UPPER_BOUND_KEYWORDS):
+        return schema
+    copy = json.loads(canonical_json(schema))          # depth already bounded by check_schema
+    for node in _walk(copy):
+        for keyword in UPPER_BOUND_KEYWORDS:
+            if not _large_upper_bound(node, keyword):
+                continue
+            if reply_chars is None or node[keyword] < reply_chars:
+                reach = "an unknown number of" if reply_chars is None else f"up to {reply_chars}"
+                raise ValueError(f"{field}: {keyword} {node[keyword]} is above this server's grammar limit of "
+                                 f"{MAX_SCHEMA_REPEAT}, and a forced call of {reach} characters could reach it; "
+                                 f"lower the bound or max_tokens")
+            del node[keyword]
+    return copy
 
 
 @dataclass(frozen=True)
@@ -151,12 +199,21 @@ class StructuredSpec:
         return cls("grammar", ebnf)
 
     @classmethod
-    def tool_calls(cls, syntax: ToolCallSyntax, functions: list[tuple[str, Any]], parallel: bool) -> "StructuredSpec":
+    def tool_calls(cls, syntax: ToolCallSyntax, functions: list[tuple[str, Any]], parallel: bool,
+                   reply_chars: int | None = None) -> "StructuredSpec":
         """Replies that are one call (or, with `parallel`, one or more calls) of `functions`
-        ((name, JSON schema of the arguments) pairs), written in `syntax`, and nothing else."""
+        ((name, JSON schema of the arguments) pairs), written in `syntax`, and nothing else.
+        `reply_chars`: the most characters the reply can have (bounds above it are dropped, see
+        without_unreachable_bounds)."""
         if not functions:
             raise ValueError("tools: a forced tool call needs at least one function")
+        checked = []
         for name, schema in functions:
-            check_schema(schema, f"tools[{name}].function.parameters")
+            field = f"tools[{name}].function.parameters"
+            check_tool_schema(schema, field)
+            schema = without_unreachable_bounds(schema, field, reply_chars)
+            check_schema(schema, field)
+            checked.append((name, schema))
+        functions = checked
         value = {"syntax": asdict(syntax), "functions": [[n, s] for n, s in functions], "parallel": bool(parallel)}
         return cls("tool_calls", canonical_json(value))

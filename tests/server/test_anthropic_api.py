@@ -314,3 +314,76 @@ def test_claude_codes_own_fields_are_accepted_and_the_others_refused(ant_server)
                                                              "keep": {"type": "thinking_turns", "value": 1}}]})]:
         reply = post(ant_server, {**base, field: value})
         assert reply.status_code == 400 and reply.json()["error"]["param"].startswith(field), (field, reply.text)
+
+
+# ----- what Claude Code 2.1 sends: system-role messages mid-conversation, tool schemas with huge bounds -----
+
+WRITE_SCHEMA = {"type": "object", "properties": {"file_path": {"type": "string", "maxLength": 12},
+                                                 "content": {"type": "string", "maxLength": 524_288}},
+                "required": ["file_path"], "additionalProperties": False}
+WRITE_TOOL = {"name": "Write", "description": "Write a file", "input_schema": WRITE_SCHEMA}
+
+
+def test_a_system_message_mid_conversation_is_accepted_and_reaches_the_prompt(ant_server):
+    """Claude Code sends a system-role message between turns; the tiny model's ChatML template renders it as a
+    system turn where it stands (a template that cannot is folded into the next user turn: test_chat_render)."""
+    reminder = {"role": "system", "content": [{"type": "text", "text": "Reminder: be brief."}]}
+    chat = [QUESTION, {"role": "assistant", "content": "Let me check."}, reminder,
+            {"role": "user", "content": "Go on."}]
+    reply = post(ant_server, {"model": model(ant_server), "max_tokens": 2, "messages": chat})
+    assert reply.status_code == 200, reply.text
+    without = [m for m in chat if m is not reminder]
+    counted = [post(ant_server, {"model": model(ant_server), "messages": m}, path="/v1/messages/count_tokens")
+               for m in (chat, without)]
+    assert counted[0].json()["input_tokens"] > counted[1].json()["input_tokens"]
+    prompt = ant_server.state.chat.render(*_chat_of(chat))
+    assert "<|im_start|>system\nReminder: be brief.<|im_end|>\n<|im_start|>user\nGo on." in prompt
+
+
+def _chat_of(messages: list[dict]):
+    from kvsplice.server.anthropic import chat_messages
+    from kvsplice.server.protocol import ChatMessage
+
+    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "messages": messages})
+    return ([ChatMessage(**m) for m in chat_messages(body)],)
+
+
+def test_a_system_message_with_other_blocks_is_refused_naming_it(ant_server):
+    chat = [QUESTION, {"role": "system", "content": [{"type": "tool_use", "id": "u", "name": "f", "input": {}}]},
+            {"role": "user", "content": "Go on."}]
+    reply = post(ant_server, {"model": model(ant_server), "max_tokens": 2, "messages": chat})
+    assert reply.status_code == 400 and reply.json()["error"]["param"].startswith("messages.1"), reply.text
+    assert "text blocks only" in reply.text
+
+
+def test_a_tool_schema_bound_above_the_limit_is_accepted_while_it_only_describes_the_tool(ant_server):
+    body = {"model": model(ant_server), "max_tokens": 4, "messages": [QUESTION], "tools": [*TOOLS, WRITE_TOOL]}
+    assert post(ant_server, body).status_code == 200
+    assert post(ant_server, {k: v for k, v in body.items() if k != "max_tokens"},
+                path="/v1/messages/count_tokens").status_code == 200
+
+
+def test_a_forced_call_drops_an_unreachable_bound_and_refuses_a_reachable_one(ant_server):
+    """max_tokens 16: the reply cannot reach 524,288 characters, so the bound is dropped from the grammar; a
+    bound just above the grammar limit that the budget could reach is a 400 naming tools."""
+    forced = {"model": model(ant_server), "max_tokens": 16, "messages": [QUESTION], "tools": [WRITE_TOOL],
+              "tool_choice": {"type": "tool", "name": "Write"}}
+    reply = post(ant_server, forced)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["stop_reason"] in ("tool_use", "max_tokens")
+    reachable = {**WRITE_TOOL, "input_schema": {**WRITE_SCHEMA, "properties": {
+        "content": {"type": "string", "maxLength": 10_001}}}}
+    budget = 10_001 // ant_server.state.longest_token_chars + 1
+    refused = post(ant_server, {**forced, "tools": [reachable], "max_tokens": budget})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "tools" and "maxLength 10001" in error["message"], error
+    small = post(ant_server, {**forced, "tools": [reachable], "max_tokens": 4})
+    assert small.status_code == 200, small.text
+
+
+def test_a_large_bound_outside_tools_stays_refused(ant_server):
+    body = {"model": model(ant_server), "max_tokens": 4, "messages": [QUESTION],
+            "output_config": {"format": {"type": "json_schema", "schema": WRITE_SCHEMA}}}
+    reply = post(ant_server, body)
+    assert reply.status_code == 400 and "maxLength 524288 is above" in reply.text, reply.text

@@ -125,3 +125,39 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     renderer = ChatRenderer(tokenizer, template)
     assert renderer.render(messages(AGENT_TURN[1:2]), None, {"enable_thinking": False}).endswith("<no-think>")
     assert not renderer.render(messages(AGENT_TURN[1:2])).endswith("<no-think>")
+
+
+# a system message after the first one (Claude Code sends one between turns), shown where the template can
+LATE_SYSTEM = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello."}, {"role": "system", "content": "Reminder: no emojis."},
+               {"role": "user", "content": "List the files."}]
+# Gemma's rule: a system turn only first (it raises on a later one), as Gemma's and Llama 2's templates do
+SYSTEM_FIRST_ONLY = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                     "{{ raise_exception('System role only first') }}{% endif %}"
+                     "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# a template that drops every system message but the first, silently
+SYSTEM_DROPPED = ("{% for m in messages %}{% if m.role != 'system' or loop.first %}"
+                  "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_late_system_message_stays_a_system_turn_where_the_template_renders_it(tokenizer):
+    text = ChatRenderer(tokenizer, SMOLLM2).render(messages(LATE_SYSTEM))
+    assert "<|im_start|>system\nReminder: no emojis.<|im_end|>\n<|im_start|>user\nList the files." in text
+
+
+@pytest.mark.parametrize("template", [SYSTEM_FIRST_ONLY, SYSTEM_DROPPED], ids=["rejects", "drops"])
+def test_a_late_system_message_is_folded_into_the_next_user_turn_where_the_template_cannot(tokenizer, template):
+    renderer = ChatRenderer(tokenizer, template)
+    text = renderer.render(messages(LATE_SYSTEM))
+    assert "<|im_start|>user\nReminder: no emojis.\n\nList the files.<|im_end|>" in text
+    assert text.count("<|im_start|>system") == 1
+    ids = renderer.prompt_ids(messages(LATE_SYSTEM))
+    assert len(renderer.message_offsets(messages(LATE_SYSTEM), ids)) == 4     # the folded chat's 4 messages
+
+
+def test_a_trailing_late_system_message_joins_the_user_turn_before_it(tokenizer):
+    chat = LATE_SYSTEM[:2] + [{"role": "system", "content": "Reminder: no emojis."}]
+    text = ChatRenderer(tokenizer, SYSTEM_FIRST_ONLY).render(messages(chat))
+    assert "<|im_start|>user\nHi\n\nReminder: no emojis.<|im_end|>\n<|im_start|>assistant\n" in text
