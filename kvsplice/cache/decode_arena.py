@@ -176,9 +176,11 @@ class DecodeArena:
         self._grow(rows, capacity)
         row, filled = len(self.reqs), req.seq_len - 1
         slots = req.seq_slots[:filled]
-        # pool.k[:, slots] is [layers, filled, heads, dim]; a row is [layers, heads, filled, dim]
-        self.k[:, row, :, :filled] = pool.k[:, slots].transpose(1, 2)
-        self.v[:, row, :, :filled] = pool.v[:, slots].transpose(1, 2)
+        # [layers, filled, heads, dim] (a windowed pool: sliding layers hold only the window, the
+        # rest zeros that no sliding layer reads); a row is [layers, heads, filled, dim]
+        keys, values = pool.gather_layers(slots)
+        self.k[:, row, :, :filled] = keys.transpose(1, 2)
+        self.v[:, row, :, :filled] = values.transpose(1, 2)
         self.reqs.append(req)
         self.lengths.append(filled)
         return True
