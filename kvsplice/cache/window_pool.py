@@ -262,8 +262,10 @@ class WindowedKVPool:
 
 
 def default_window_slots(num_slots: int, window: int, max_batch_tokens: int, max_running: int) -> int:
-    """M for a pool of `num_slots` full slots: every running request's window, tail and chunk
-    (3 W + a chunk each, for at most 4 requests at once at full length), plus an eighth of the pool
-    for the windows the radix tree keeps; never more than `num_slots`."""
+    """M for a pool of `num_slots` full slots: the tail, window and chunk of two running requests
+    (3 W + a chunk each), plus an eighth of the pool for checkpoint windows (the radix tree's and the
+    running requests': one W per 4096 tokens of `WindowKeep.checkpoint_spacing`); never more than
+    `num_slots`. More requests at once share it: a chunk that finds no window slot (after evicting
+    the tree's) waits a step."""
     per_request = 3 * window + max_batch_tokens
-    return min(num_slots, num_slots // 8 + min(max_running, 4) * per_request)
+    return min(num_slots, num_slots // 8 + min(max_running, 2) * per_request)
