@@ -29,11 +29,13 @@ import gc
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kvsplice.bench.machine import cpu_line
 from kvsplice.cache.checkpoint_policy import CheckpointPolicy
+from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.cache.window_pool import WindowedKVPool, default_window_slots
 from kvsplice.engine.cache_manager import CacheManager
@@ -152,6 +154,24 @@ def one_request_footprint(pool, length: int, chunk: int, message_every: int) -> 
     return peak, pool.bytes_held()
 
 
+@dataclass
+class DecodingStub:
+    """What the DecodeArena reads of a request: its length and slots."""
+
+    seq_len: int
+    seq_slots: torch.Tensor
+
+
+def decoding_arena_bytes(pool, length: int, layers: int, ring_layers: tuple, ring_width) -> int:
+    """Bytes of the DecodeArena's row for one request decoding at `length` tokens (the copy of its
+    context the decode steps read), with sliding layers as rings (`ring_layers`) or all columns."""
+    cfg = pool.k.shape
+    arena = DecodeArena(layers, cfg[2], cfg[3], pool.k.dtype, max_tokens=length + 256,
+                        ring_layers=ring_layers, ring_width=ring_width)
+    arena.assign([DecodingStub(length, torch.arange(length))], pool)
+    return arena.nbytes
+
+
 def memory_section(path, lengths: list[int]) -> None:
     """K/V bytes of one request at each length, all-full layout (KVPool: every layer, every token)
     against the windowed pool, by the pool's own allocation accounting on the real config."""
@@ -164,8 +184,8 @@ def memory_section(path, lengths: list[int]) -> None:
           f"full layers, {sliding} sliding of window {cfg.sliding_window}); prefill chunks of {chunk}, a message "
           f"every 1024 tokens; the engine's slot code without the forward (pool accounting):")
     print("| tokens | all-full MiB | windowed: peak held MiB (ratio) | cached after finish MiB (ratio) | "
-          "windowed pool tensors MiB (ratio) |")
-    print("|---|---|---|---|---|")
+          "windowed pool tensors MiB (ratio) | decode arena, all columns MiB | decode arena, rings MiB (ratio) |")
+    print("|---|---|---|---|---|---|---|")
     for length in lengths:
         slots = length + 64
         full = KVPool(slots, len(windows), cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
@@ -174,11 +194,15 @@ def memory_section(path, lengths: list[int]) -> None:
         pool = WindowedKVPool(slots, windows, cfg.num_kv_heads, cfg.head_dim, window_slots, dtype=torch.bfloat16)
         peak, cached = one_request_footprint(pool, length, chunk, 1024)
         tensors = pool.nbytes() * length / slots
+        arena_full = decoding_arena_bytes(full, length, len(windows), (), None)
+        arena_rings = decoding_arena_bytes(pool, length, len(windows), pool.sliding_layers, pool.window)
         print(f"| {length} | {all_full / mib:.0f} | {peak / mib:.0f} ({peak / all_full:.0%}) | "
-              f"{cached / mib:.0f} ({cached / all_full:.0%}) | {tensors / mib:.0f} ({tensors / all_full:.0%}) |")
+              f"{cached / mib:.0f} ({cached / all_full:.0%}) | {tensors / mib:.0f} ({tensors / all_full:.0%}) | "
+              f"{arena_full / mib:.0f} | {arena_rings / mib:.0f} ({arena_rings / arena_full:.0%}) |")
         del full, pool
     print("  pool tensors: a pool of tokens + 64 full slots and default_window_slots(max_running=1) window "
-          "slots, scaled to the request's tokens")
+          "slots, scaled to the request's tokens; decode arena: its row for the request (the contiguous copy "
+          "decode steps read, besides the pool)")
 
 
 def real_window_check(path, length: int) -> None:

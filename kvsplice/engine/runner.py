@@ -80,9 +80,11 @@ class ModelRunner:
                     raise ValueError("--compile-decode needs the DecodeArena (--decode-arena-tokens above 0)")
                 self.fast = self._fast_decoder(model, compiles, decode_builder)
                 if config.decode_arena_tokens:   # the compiled graphs take arenas of 2 rows or more
+                    # a windowed pool's sliding layers decode over rings of W columns, not the context
+                    rings = ((pool.sliding_layers, pool.window) if isinstance(pool, WindowedKVPool) else ((), None))
                     self.arena = DecodeArena(model.cfg.num_kv_layers, pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
                                              config.decode_arena_tokens, device=pool.k.device,
-                                             min_rows=2 if compiles else 1)
+                                             min_rows=2 if compiles else 1, ring_layers=rings[0], ring_width=rings[1])
             elif config.fast_path and states is None:
                 logger.warning("the fast path does not implement %s (%s): every batch runs on the reference Decoder",
                                model.cfg.model_type, FastDecoder.refusal(model.cfg))

@@ -24,7 +24,7 @@ Gemma 3 (sandwich norms) norms the attention and the MLP outputs too, with (1 + 
       -> norm(o_proj) + h -> norm -> gate|up -> gelu_tanh(gate) * up -> norm(down) + h
 
 A sliding-window layer of width W reads only the window: its decode rows read the arena columns
-from min(lengths) - W on, and a prefill chunk is cut into blocks of W queries, each over the
+from min(lengths) - W on (with a windowed pool, the arena's ring of W columns instead), and a prefill chunk is cut into blocks of W queries, each over the
 context positions (first - W, last] of its block, so its cost grows with the window, not with
 the context.
 
@@ -388,7 +388,9 @@ class FastDecoder:
         mask = None if min(lengths) == width else length_mask(torch.tensor(lengths), width)
         k_rows, v_rows = arena.step_views(count, width)
         window_start, window_mask = 0, None
-        if self.windows:
+        if self.windows and arena.ring_layers:   # rings of W columns: a row of length L holds min(L, W)
+            window_mask = ring_mask(lengths, arena.ring_width)
+        elif self.windows:
             window_start, window_mask = window_columns(lengths, self._single_window())
         return DecodeStep(count, torch.arange(count), batch.positions[:count], width, mask, k_rows, v_rows,
                           only=not batch.seqs and count == batch.input_ids.shape[0],
@@ -475,6 +477,16 @@ def window_columns(lengths: list[int], window: int) -> tuple[int, Optional[torch
     ends = torch.tensor(lengths)[:, None]
     visible = (columns < ends) & (columns >= ends - window)
     return start, visible[:, None, None, :]
+
+
+def ring_mask(lengths: list[int], ring_width: int) -> Optional[torch.Tensor]:
+    """The `[B, 1, 1, min(max(lengths), ring_width)]` mask of DecodeArena rings (a windowed pool's
+    sliding layers): row b's first min(lengths[b], ring_width) columns hold its window; None when
+    every row's are all of them."""
+    held = [min(length, ring_width) for length in lengths]
+    if min(held) == max(held):
+        return None
+    return length_mask(torch.tensor(held), max(held))
 
 
 def plan_rows(batch: ForwardBatch, num_slots: int, dtype: torch.dtype, group: int,

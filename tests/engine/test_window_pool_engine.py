@@ -54,7 +54,8 @@ def full_layout(tiny_path):
 
 def _llm(path, **kwargs) -> LLM:
     kwargs.setdefault("reuse", SCR)
-    return LLM(engine=build_engine(EngineConfig(model=str(path), max_batch_tokens=16, **kwargs)))
+    kwargs.setdefault("max_batch_tokens", 16)
+    return LLM(engine=build_engine(EngineConfig(model=str(path), **kwargs)))
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -93,6 +94,17 @@ def test_long_prompt_greedy_and_prompt_logprobs_equal_the_full_layout(tiny_path,
     # the cache keeps the two finished sequences' tails (2 W each), nothing else of 120+ tokens
     assert pool.window_allocator.num_used <= 2 * (2 * WINDOW)
     llm.engine.check_integrity()
+
+
+def test_batched_decode_over_arena_rings_equals_the_full_layout(tiny_path, full_layout):
+    """A prompt shorter than the window decodes next to a long one: the arena keeps the sliding
+    layers as rings of W columns (masked per row by min(length, W)), the full layers whole."""
+    llm = _llm(tiny_path, max_batch_tokens=128)   # both prefill in one step, then decode together
+    arena = llm.engine.runner.arena
+    assert arena.ring_width == WINDOW and arena.ring_layers == llm.engine.cache.pool.sliding_layers
+    prompts = [_ids(3, 11), _ids(70, 12)]
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        _assert_matches_full_layout(out, prompt, full_layout)
 
 
 def test_peak_window_use_of_a_running_request_is_bounded(tiny_path):
