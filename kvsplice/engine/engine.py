@@ -33,9 +33,10 @@ import torch
 
 from kvsplice.cache.checkpoint_policy import check_message_offsets
 from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.window_pool import WindowedKVPool, default_window_slots
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
-from kvsplice.engine.cache_manager import CacheManager, open_disk_tier, owned_by
+from kvsplice.engine.cache_manager import CacheManager, open_disk_tier, owned_by, uses_window_pool
 from kvsplice.engine.detokenizer import IncrementalDetokenizer
 from kvsplice.structured.stop_patterns import StopPatterns
 from kvsplice.engine.failpoints import Failpoints
@@ -46,6 +47,7 @@ from kvsplice.engine.runner import ChunkResult, ModelRunner
 from kvsplice.engine.scheduler import Chunk, Scheduler
 from kvsplice.engine.step_plan import BesideLane, OneForward
 from kvsplice.layers.logits_processors import LogitsState
+from kvsplice.layers.rotary import LayerRotaries
 from kvsplice.layers.sampler import make_generator
 from kvsplice.models.config import ModelConfig
 from kvsplice.message_offsets import MessageStarts
@@ -94,6 +96,38 @@ def default_state_slots(config: EngineConfig) -> int:
     return max(64, 2 * config.max_running + 2 * config.reuse.max_sessions)
 
 
+def make_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVPool | WindowedKVPool:
+    """The KV pool: a WindowedKVPool for an attention-only model with both sliding-window and full
+    layers (sliding layers hold only their windows, kvsplice.cache.window_pool), else the KVPool
+    holding every layer for every token."""
+    windows = [model_config.layer_window(layer_id) for layer_id in model_config.kv_layers]
+    if uses_window_pool(model_config):
+        window = next(w for w in windows if w is not None)
+        window_slots = default_window_slots(config.num_slots, window, config.max_batch_tokens, config.max_running)
+        return WindowedKVPool(config.num_slots, windows, model_config.num_kv_heads, model_config.head_dim,
+                              window_slots, dtype=dtype, device=config.device)
+    return KVPool(config.num_slots, model_config.num_kv_layers, model_config.num_kv_heads,
+                  model_config.head_dim, dtype=dtype, device=config.device)
+
+
+def relocation_rotary(model: torch.nn.Module, pool: KVPool | WindowedKVPool):
+    """The RoPE SCR relocation turns `pool.k`'s keys with: the model's own, or, for a windowed pool
+    (whose `k` holds the full layers only), the full layers' (the sliding ones are turned by
+    `WindowedKVPool.relocate_window` with `window_rotary`)."""
+    if isinstance(pool, WindowedKVPool) and isinstance(model.rotary, LayerRotaries):
+        return LayerRotaries(model.cfg.layer_ropes, pool.full_layers)
+    return model.rotary
+
+
+def window_rotary(model: torch.nn.Module, pool: KVPool | WindowedKVPool):
+    """The RoPE of the sliding layers of a windowed pool (None for any other pool)."""
+    if not isinstance(pool, WindowedKVPool):
+        return None
+    if isinstance(model.rotary, LayerRotaries):
+        return LayerRotaries(model.cfg.layer_ropes, pool.sliding_layers)
+    return model.rotary
+
+
 class Engine:
     """The step loop over one model. `failpoints`: a test seam (kvsplice.engine.failpoints) that
     makes chosen stages fail; None (the default) costs nothing. `decode_builder`: what builds the
@@ -109,8 +143,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         dtype = next(model.parameters()).dtype
-        pool = KVPool(config.num_slots, model_config.num_kv_layers, model_config.num_kv_heads,
-                      model_config.head_dim, dtype=dtype, device=config.device)
+        pool = make_pool(config, model_config, dtype)
         states = None
         if model_config.is_hybrid:
             states = StatePool(config.num_state_slots or default_state_slots(config), model_config.num_linear_layers,
@@ -119,7 +152,8 @@ class Engine:
         self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints(), tier,
                                   tenant_share=config.tenant_kv_share)
         self.failpoints = failpoints
-        self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=model.rotary,
+        self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=relocation_rotary(model, pool),
+                                  window_rotary=window_rotary(model, pool),
                                   failpoints=failpoints, message_starts=MessageStarts(tokenizer))
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints,
@@ -258,8 +292,11 @@ class Engine:
         while budget > 0 and (req := self.scheduler.next_to_admit()) is not None:
             if not self._admit(req):
                 break
-            chunks.append(self.scheduler.start(req, budget))
-            budget -= len(chunks[-1].offsets)
+            chunk = self.scheduler.start(req, budget)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= len(chunk.offsets)
         return chunks
 
     def _postprocess_all(self, done: list[tuple[Chunk, ChunkResult]]) -> list[RequestOutput]:
@@ -346,6 +383,7 @@ class Engine:
                 req.prompt_logprobs[offset + 1] = lp
         req.prompt_logits.update(result.prompt_logits)
         req.pending = req.pending[len(chunk.offsets):]
+        self.cache.trim_window(req)   # a windowed pool: tokens that left every window give theirs back
         if result.token_id is None:
             return None
         if req.first_token_s is None:

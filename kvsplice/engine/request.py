@@ -131,6 +131,10 @@ class Req:
     # disk tier: reads started when queued (EntryKeys), prompt tokens loaded from it at admission
     tier_prefetch: tuple = ()
     disk_tokens: int = 0
+    # windowed pool (sliding-window models): own offsets below this have had their window trimmed,
+    # and the boundaries whose windows it keeps (None until first trimmed)
+    window_trimmed: int = 0
+    window_checkpoints: tuple[int, ...] | None = None
 
     @property
     def seq_ids(self) -> list[int]:

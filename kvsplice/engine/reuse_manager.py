@@ -100,8 +100,10 @@ class SessionKV:
 
 class ReuseManager:
     def __init__(self, cache: CacheManager, model_config: ModelConfig, config: ReuseConfig,
-                 rotary=None, failpoints=None, message_starts: MessageStarts | None = None):
+                 rotary=None, failpoints=None, message_starts: MessageStarts | None = None,
+                 window_rotary=None):
         self.cache = cache
+        self.window_rotary = window_rotary   # a windowed pool: the sliding layers' RoPE
         self.message_starts = message_starts   # finds message openings for selective recompute
         self.failpoints = failpoints   # tests: kvsplice.engine.failpoints.Failpoints, or None
         self.model_config = model_config
@@ -273,6 +275,7 @@ class ReuseManager:
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
         scr.plan = result.plan
         recomputed = self._plan_recompute(req, scr)
+        recomputed += self._relocate_windows(req, scr, kv.slots())
         if self.cache.states is not None:
             # the session's own (approximate) states, and the exact checkpoints on its locked radix
             # path (its previous sequence's exact states, and those of earlier turns still kept)
@@ -370,6 +373,61 @@ class ReuseManager:
             self._failpoint("relocate", req)
             relocate(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
                      req.seq_slots[keep.dst_pos: keep.dst_end], keep, rotary)
+
+    def _relocate_windows(self, req: Req, scr: ScrRequest, old_slots: torch.Tensor) -> int:
+        """A windowed pool (sliding-window layers, kvsplice.cache.window_pool): the sliding layers
+        need K/V only inside the window of a computed token. Relocated offsets there whose source
+        kept its window are relocated in those layers too; the others are computed instead, which
+        may put further relocated offsets inside a window, until none is missing:
+
+            new prompt   [ prefix ][ relocated ......................... ][ B' ][ relocated ][ D ]
+            window of B'                     |<-- W -->|                        |<-W->|
+            sliding K/V                      copied, or computed where the old one is gone
+
+        Returns how many offsets it added to those computed (0 without a windowed pool)."""
+        pool = self.cache.windows
+        if pool is None or not scr.plan.keeps:
+            return 0
+        length = len(req.prompt_ids)
+        relocated = torch.zeros(length, dtype=torch.bool)
+        src_slot = torch.zeros(length, dtype=torch.int64)
+        src_pos = torch.zeros(length, dtype=torch.int64)
+        for keep in scr.plan.keeps:
+            relocated[keep.dst_pos: keep.dst_end] = True
+            src_slot[keep.dst_pos: keep.dst_end] = old_slots[keep.src_pos: keep.src_end]
+            src_pos[keep.dst_pos: keep.dst_end] = torch.arange(keep.src_pos, keep.src_end)
+        added: list[int] = []
+        while True:
+            computed = torch.zeros(length, dtype=torch.bool)
+            computed[torch.tensor(req.pending, dtype=torch.int64)] = True
+            needed = self._in_a_window(relocated & ~computed, torch.nonzero(computed).flatten(), pool.window)
+            missing = needed & ~pool.has_window[src_slot]
+            if not bool(missing.any()):
+                break
+            offsets = torch.nonzero(missing).flatten().tolist()
+            added += offsets
+            self._apply_recompute(req, scr, offsets)
+        offsets = torch.nonzero(needed).flatten()
+        if offsets.numel():
+            dst = req.seq_slots[offsets]
+            if not self.cache.ensure_window(req, offsets.tolist()):
+                raise RuntimeError("the window pool has no room for the relocated sliding-layer K/V")
+            rotary = None if scr.cfg.no_rerotate else self.window_rotary
+            pool.relocate_window(src_slot[offsets], dst, src_pos[offsets], offsets, rotary)
+        return len(added)
+
+    @staticmethod
+    def _in_a_window(candidates: torch.Tensor, computed: torch.Tensor, window: int) -> torch.Tensor:
+        """Bool per offset: a candidate that some computed offset p (sorted `computed`) reads on a
+        sliding layer, p - window < offset < p."""
+        found = torch.zeros_like(candidates)
+        offsets = torch.nonzero(candidates).flatten()
+        if offsets.numel() and computed.numel():
+            after = torch.searchsorted(computed, offsets, right=True)
+            inside = after < computed.numel()
+            hit = offsets[inside][computed[after[inside]] < offsets[inside] + window]
+            found[hit] = True
+        return found
 
     def _with_room(self, attempt):
         """Run `attempt` (which allocates); when the pool is short, drop idle sessions one at a

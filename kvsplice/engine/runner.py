@@ -6,6 +6,7 @@ the request's next token, and every prompt row when prompt logprobs were asked f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 
 from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.window_pool import WindowedKVPool
 from kvsplice.cache.state_pool import StatePool
 from kvsplice.config import EngineConfig
 from kvsplice.engine.request import Req
@@ -78,9 +80,11 @@ class ModelRunner:
                     raise ValueError("--compile-decode needs the DecodeArena (--decode-arena-tokens above 0)")
                 self.fast = self._fast_decoder(model, compiles, decode_builder)
                 if config.decode_arena_tokens:   # the compiled graphs take arenas of 2 rows or more
-                    self.arena = DecodeArena(pool.k.shape[0], pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
+                    # a windowed pool's sliding layers decode over rings of W columns, not the context
+                    rings = ((pool.sliding_layers, pool.window) if isinstance(pool, WindowedKVPool) else ((), None))
+                    self.arena = DecodeArena(model.cfg.num_kv_layers, pool.k.shape[2], pool.k.shape[3], pool.k.dtype,
                                              config.decode_arena_tokens, device=pool.k.device,
-                                             min_rows=2 if compiles else 1)
+                                             min_rows=2 if compiles else 1, ring_layers=rings[0], ring_width=rings[1])
             elif config.fast_path and states is None:
                 logger.warning("the fast path does not implement %s (%s): every batch runs on the reference Decoder",
                                model.cfg.model_type, FastDecoder.refusal(model.cfg))
@@ -135,6 +139,8 @@ class ModelRunner:
         linear = tuple(linear_seq(c.req, c.offsets) for c in chunks) if self.states is not None else ()
         batch = ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), tuple(seqs),
                              torch.tensor(rows, dtype=torch.int64), linear, arena_rows=len(arena_chunks))
+        if isinstance(self.pool, WindowedKVPool):   # the sliding layers' view, in window slots
+            batch = dataclasses.replace(batch, window=self.pool.translate(batch))
         return batch, [rows_of[id(c)] for c in chunks]
 
     @staticmethod

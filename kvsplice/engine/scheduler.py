@@ -97,9 +97,17 @@ class Scheduler:
         for req in [r for r in self.running if not r.is_decoding and r.rid not in self.held]:
             if budget <= 0:
                 break
-            chunks.append(Chunk(req, req.pending[:budget]))
-            budget -= len(chunks[-1].offsets)
+            chunk = self._prefill_chunk(req, budget)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= len(chunk.offsets)
         return chunks
+
+    def _prefill_chunk(self, req: Req, budget: int) -> Chunk | None:
+        """`req`'s next `budget` pending offsets, given their window slots (a windowed pool); None
+        when the window space is short this step (the request waits for the next)."""
+        offsets = req.pending[:budget]
+        return Chunk(req, offsets) if self.cache.ensure_window(req, offsets) else None
 
     def next_to_admit(self) -> Req | None:
         """The waiting request first in line, while fewer than `max_running` run; else None."""
@@ -107,13 +115,14 @@ class Scheduler:
             return self.waiting[0]
         return None
 
-    def start(self, req: Req, budget: int) -> Chunk:
+    def start(self, req: Req, budget: int) -> Chunk | None:
         """`req` (`next_to_admit`, now holding its slots) runs from this step: its first prefill
-        chunk, of at most `budget` tokens."""
+        chunk, of at most `budget` tokens (None when a windowed pool has no window slots for it
+        this step: it runs from a later step's `schedule_prefill`)."""
         self.waiting.remove(req)
         req.status = ReqStatus.RUNNING
         self.running.append(req)
-        return Chunk(req, req.pending[:budget])
+        return self._prefill_chunk(req, budget)
 
     def _grow_or_preempt(self, req: Req, chunks: list[Chunk]) -> tuple[bool, int]:
         """Give `req` its decode slot, preempting the newest other requests not yet scheduled

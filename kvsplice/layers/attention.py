@@ -108,7 +108,7 @@ def paged_attention_reference(q: torch.Tensor, layer_id: int, batch: ForwardBatc
     out = torch.empty_like(q)
     k_layer, v_layer = pool.k_layer(layer_id), pool.v_layer(layer_id)
     if plans is None:
-        plans = plan_sequences(batch, pool, q.dtype, sliding_window, group=q.shape[1] // k_layer.shape[1])
+        plans = plan_sequences(batch, k_layer.shape[0], q.dtype, sliding_window, group=q.shape[1] // k_layer.shape[1])
     for seq, plan in zip(batch.seqs, plans):
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         out[rows] = planned_attention(q[rows], plan, k_layer, v_layer, scale)
@@ -144,11 +144,12 @@ class SequencePlan:
 FOLD_MAX_QUERY_ROWS = 32
 
 
-def plan_sequences(batch: ForwardBatch, pool: KVPool, dtype: torch.dtype, sliding_window: Optional[int] = None,
+def plan_sequences(batch: ForwardBatch, num_slots: int, dtype: torch.dtype, sliding_window: Optional[int] = None,
                    group: int = 1) -> tuple[SequencePlan, ...]:
-    """`plan_sequence` of every request of `batch`; `group`: q heads per kv head."""
+    """`plan_sequence` of every request of `batch` over a layer of `num_slots` rows; `group`: q heads
+    per kv head."""
     return tuple(plan_sequence(batch.positions[seq.query_start:seq.query_start + seq.query_len], seq.context_slots,
-                               seq.context_pos, pool.num_slots, dtype, sliding_window, group) for seq in batch.seqs)
+                               seq.context_pos, num_slots, dtype, sliding_window, group) for seq in batch.seqs)
 
 
 def plan_sequence(query_pos: torch.Tensor, context_slots: torch.Tensor, context_pos: torch.Tensor, num_slots: int,

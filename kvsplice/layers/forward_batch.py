@@ -76,6 +76,9 @@ class ForwardBatch:
     last row of each request; every row for prompt logprobs). `linear` is empty for models
     without linear-attention layers.
 
+    `window` (a model with a windowed KV pool, `kvsplice.cache.window_pool`): this batch as the
+    sliding-window layers see it, in window slots (`WindowedKVPool.translate`); None otherwise.
+
     `arena_rows` (fast path only, `kvsplice.models.fast_decode`): rows [0, arena_rows) are
     single-token decode rows whose contexts are rows 0..arena_rows-1 of the DecodeArena, in the
     same order; they have no entry in `seqs`. The reference Decoder never gets such a batch.
@@ -88,6 +91,11 @@ class ForwardBatch:
     logit_rows: torch.Tensor   # [R] int64
     linear: tuple[LinearSeq, ...] = ()   # hybrid models only: one per entry of `seqs`
     arena_rows: int = 0
+    window: Optional["ForwardBatch"] = None
+
+    def for_layer(self, sliding: bool) -> "ForwardBatch":
+        """The batch a layer reads: `window` for a sliding layer of a windowed pool, else this one."""
+        return self.window if sliding and self.window is not None else self
 
     @property
     def num_tokens(self) -> int:

@@ -93,6 +93,8 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
         q = apply_rope(q, cos, sin)
+        # a windowed pool keeps a sliding layer's K/V in its own slots (kvsplice.cache.window_pool)
+        batch = batch.for_layer(self.sliding_window is not None)
         store_kv(k, v, self.layer_id, batch.out_slots, pool)
         attended = paged_attention(q, self.layer_id, batch, pool, self.scale, self.sliding_window)
         attended = attended.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -24,7 +24,7 @@ Gemma 3 (sandwich norms) norms the attention and the MLP outputs too, with (1 + 
       -> norm(o_proj) + h -> norm -> gate|up -> gelu_tanh(gate) * up -> norm(down) + h
 
 A sliding-window layer of width W reads only the window: its decode rows read the arena columns
-from min(lengths) - W on, and a prefill chunk is cut into blocks of W queries, each over the
+from min(lengths) - W on (with a windowed pool, the arena's ring of W columns instead), and a prefill chunk is cut into blocks of W queries, each over the
 context positions (first - W, last] of its block, so its cost grows with the window, not with
 the context.
 
@@ -309,11 +309,18 @@ class FastDecoder:
         decode = self._decode_step(batch, arena)
         group = self.cfg.num_heads // self.cfg.num_kv_heads
         # once, not in every layer: the full layers' plans, and each window's
-        plans = {window: plan_rows(batch, pool, self.embed.dtype, group, window) for window in [None, *self.windows]}
+        # (a windowed pool: the sliding layers' plans over the batch in window slots)
+        plans = {window: plan_rows(batch.for_layer(window is not None), self._layer_rows(pool, window),
+                                   self.embed.dtype, group, window) for window in [None, *self.windows]}
         for layer_id, layer in enumerate(self.layers):
             hidden = self._layer(layer_id, layer, hidden, tables[layer.rope], batch, pool, arena, decode,
                                  plans[layer.window])
         return rms_norm_via_layer_norm(hidden[batch.logit_rows], self.final_norm, self.eps)
+
+    def _layer_rows(self, pool: KVPool, window: Optional[int]) -> int:
+        """Rows of the pool tensor that layers of `window` read (window slots in a windowed pool)."""
+        layer_id = next(i for i, layer in enumerate(self.layers) if layer.window == window)
+        return pool.k_layer(layer_id).shape[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed)
@@ -381,7 +388,9 @@ class FastDecoder:
         mask = None if min(lengths) == width else length_mask(torch.tensor(lengths), width)
         k_rows, v_rows = arena.step_views(count, width)
         window_start, window_mask = 0, None
-        if self.windows:
+        if self.windows and arena.ring_layers:   # rings of W columns: a row of length L holds min(L, W)
+            window_mask = ring_mask(lengths, arena.ring_width)
+        elif self.windows:
             window_start, window_mask = window_columns(lengths, self._single_window())
         return DecodeStep(count, torch.arange(count), batch.positions[:count], width, mask, k_rows, v_rows,
                           only=not batch.seqs and count == batch.input_ids.shape[0],
@@ -396,8 +405,9 @@ class FastDecoder:
                batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena],
                decode: Optional[DecodeStep], plans: tuple[PlannedRows, ...]) -> torch.Tensor:
         q, k, v = self._qkv(layer, hidden, *tables)
-        pool.k_layer(layer_id).index_copy_(0, batch.out_slots, k)
-        pool.v_layer(layer_id).index_copy_(0, batch.out_slots, v)
+        out_slots = batch.for_layer(layer.window is not None).out_slots
+        pool.k_layer(layer_id).index_copy_(0, out_slots, k)
+        pool.v_layer(layer_id).index_copy_(0, out_slots, v)
         attended = self._attention(layer_id, layer, q, k, v, batch, pool, arena, decode, plans)
         return self._out_and_mlp(layer, hidden, attended)
 
@@ -469,9 +479,20 @@ def window_columns(lengths: list[int], window: int) -> tuple[int, Optional[torch
     return start, visible[:, None, None, :]
 
 
-def plan_rows(batch: ForwardBatch, pool: KVPool, dtype: torch.dtype, group: int,
+def ring_mask(lengths: list[int], ring_width: int) -> Optional[torch.Tensor]:
+    """The `[B, 1, 1, min(max(lengths), ring_width)]` mask of DecodeArena rings (a windowed pool's
+    sliding layers): row b's first min(lengths[b], ring_width) columns hold its window; None when
+    every row's are all of them."""
+    held = [min(length, ring_width) for length in lengths]
+    if min(held) == max(held):
+        return None
+    return length_mask(torch.tensor(held), max(held))
+
+
+def plan_rows(batch: ForwardBatch, num_slots: int, dtype: torch.dtype, group: int,
               window: Optional[int]) -> tuple[PlannedRows, ...]:
-    """The attention plans of `batch`'s requests (`seqs`): one per request for full attention; for a
+    """The attention plans of `batch`'s requests (`seqs`) over a pool layer of `num_slots` rows:
+    one per request for full attention; for a
     sliding window of width W, one per block of up to W queries, over the context entries at
     positions (first query - W, last query] only (the rest is outside every query's window):
 
@@ -483,13 +504,13 @@ def plan_rows(batch: ForwardBatch, pool: KVPool, dtype: torch.dtype, group: int,
     for seq in batch.seqs:
         query_pos = batch.positions[seq.query_start:seq.query_start + seq.query_len]
         if window is None:
-            plan = plan_sequence(query_pos, seq.context_slots, seq.context_pos, pool.num_slots, dtype, None, group)
+            plan = plan_sequence(query_pos, seq.context_slots, seq.context_pos, num_slots, dtype, None, group)
             planned.append(PlannedRows(slice(seq.query_start, seq.query_start + seq.query_len), plan))
             continue
         for first in range(0, seq.query_len, window):
             block = query_pos[first:first + window]
             keep = (seq.context_pos > block.min() - window) & (seq.context_pos <= block.max())
-            plan = plan_sequence(block, seq.context_slots[keep], seq.context_pos[keep], pool.num_slots, dtype,
+            plan = plan_sequence(block, seq.context_slots[keep], seq.context_pos[keep], num_slots, dtype,
                                  window, group)
             start = seq.query_start + first
             planned.append(PlannedRows(slice(start, start + block.numel()), plan))

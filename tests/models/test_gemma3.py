@@ -212,15 +212,28 @@ def test_engine_relocated_layer0_keys_equal_fresh_ones(tiny_dir):
     req = engine._reqs[rid]
     keeps = [keep for keep in req.scr.plan.keeps if keep.delta != 0]
     assert keeps
-    relocated = engine.cache.pool.k[0][torch.cat([req.seq_slots[k.dst_pos:k.dst_end] for k in keeps])].clone()
+    offsets = torch.cat([torch.arange(k.dst_pos, k.dst_end) for k in keeps])
+    offsets = offsets[~torch.isin(offsets, torch.tensor(req.scr.plan.recomputed, dtype=torch.int64))]
+    # the windowed pool keeps a sliding layer's K/V only where a computed token's window needs it
+    relocated, held = _layer0_keys(engine, req.seq_slots[offsets])
     while engine.has_work():
         engine.step()
     fresh_llm = _llm(path)
     fresh_llm.generate([turn2], GREEDY)
     match = fresh_llm.engine.cache.radix.match_prefix(turn2, Namespace(None, None))
-    offsets = torch.cat([torch.arange(k.dst_pos, k.dst_end) for k in keeps])
-    torch.testing.assert_close(relocated, fresh_llm.engine.cache.pool.k[0][match.slots[offsets]],
-                               atol=1e-5, rtol=1e-5)
+    fresh, fresh_held = _layer0_keys(fresh_llm.engine, match.slots[offsets])
+    both = held & fresh_held
+    assert bool(both.any())
+    torch.testing.assert_close(relocated[both], fresh[both], atol=1e-5, rtol=1e-5)
+
+
+def _layer0_keys(engine, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's keys at full `slots` (zeros where the windowed pool holds none) and where it holds them."""
+    pool = engine.cache.pool
+    held = pool.has_window[slots].clone()
+    keys = torch.zeros(slots.numel(), *pool.k.shape[2:])
+    keys[held] = pool.k_layer(0)[pool.window_of[slots[held]]]
+    return keys, held
 
 
 GGUF_TOL = 2e-3   # nats per prompt token, fp32 both sides
