@@ -24,10 +24,12 @@ exception once slots are taken (allocation, relocation) propagates: the engine f
 and frees what it holds. A request for
 prompt logprobs computes every position (fallback "prompt_logprobs") but still updates its session.
 
-Disk tier (when the engine has one): a session that a client named puts its private K/V into the
-tier (an approximate entry only its id loads) after every turn, and when it is dropped for room if
-the tier holds none of it; a request naming a session that is gone (dropped, or lost with a restart)
-restores it from there before matching (`_restore_session`).
+Disk tier (when the engine has one): a session that a client named puts its own K/V (private, or
+its last completion's when all is exact) into the tier (an approximate entry only its id loads)
+after every turn, and when it is dropped for room if the tier holds none of it; a request naming a
+session that is gone (dropped, or lost with a restart) restores it before matching
+(`_restore_session`) from what the reader thread read of it while the request was queued
+(`start_tier_reads`, `kvsplice.engine.tier_reads`).
 
 Selective recompute (attention-only models; see kvsplice.reuse.recompute): after relocation the
 first `seam_tokens` of every span and the message openings inside the edited spans are added to the
