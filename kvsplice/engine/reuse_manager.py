@@ -151,9 +151,10 @@ class ReuseManager:
         """Start reading, off the engine thread, what `req` may load from the disk tier: its
         prompt's continuation beyond the radix tree and, when it names a session the engine no
         longer holds but the tier does, that session. Nothing without a tier; retried by
-        `tier_ready` when too many requests hold reads."""
+        `tier_ready` when too many requests hold reads (a request with nothing to read never
+        waits for that)."""
         reads = self.cache.reads
-        if reads is None or req.tier_reads_started or not reads.has_room():
+        if reads is None or req.tier_reads_started:
             return
         session_key = None
         if req.scr is not None and req.session_id is not None and self.sessions.get(req.namespace, req.session_id) is None:

@@ -145,10 +145,6 @@ class TierReads:
         if future is not None:
             future.cancel()
 
-    def has_room(self) -> bool:
-        """Whether another request may start reads now."""
-        return len(self._reads) < self.max_requests
-
     def wait_any(self, rids: Sequence[str], timeout_s: float) -> None:
         """Block until a running read of one of `rids` ends, or `timeout_s` (an idle engine)."""
         running = [self._reads[rid] for rid in rids if rid in self._reads and not self._reads[rid].done()]

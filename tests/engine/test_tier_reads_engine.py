@@ -98,3 +98,34 @@ def test_a_failed_tier_read_falls_back_to_recompute(model_dir, tmp_path, failure
     assert (stats.read_errors if failure == "read_error" else stats.corrupt_dropped) >= 1
     llm.engine.check_integrity()
     llm.engine.close()
+
+
+def test_a_request_with_nothing_on_disk_never_waits_for_others_reads(model_dir, tmp_path):
+    """With room for one request's reads, held by a request stuck in a slow read, a request whose
+    prompt the tier does not hold is admitted and answered meanwhile."""
+    from kvsplice.cache.disk_tier import DiskTierConfig
+    from kvsplice.config import EngineConfig
+    from kvsplice.engine.llm import build_engine
+
+    history = prompt_ids(300, seed=45)
+    written_history(model_dir, tmp_path / "tier", history)
+    fs = GatedReadFileSystem()
+    tier = DiskTierConfig(tmp_path / "tier", budget_bytes=50_000_000, max_prefetches=1, fs=fs)
+    engine = build_engine(EngineConfig(model=model_dir, disk_tier=tier, num_slots=BIG_POOL))
+    loading = engine.add_request(history + prompt_ids(10, seed=46), GREEDY, rid="loading")
+    assert fs.entered.wait(timeout=60)
+    fresh = engine.add_request(prompt_ids(30, seed=47), GREEDY, rid="fresh")
+    finished = set()
+    for _ in range(50):
+        finished |= {out.rid for out in engine.step() if out.finished}
+        if fresh in finished:
+            break
+    assert fresh in finished and loading not in finished
+    fs.release.set()
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    [final] = [out for out in outputs if out.rid == loading and out.finished]
+    assert final.reuse.disk_tokens >= 256
+    engine.check_integrity()
+    engine.close()
