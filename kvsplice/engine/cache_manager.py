@@ -41,7 +41,9 @@ request (and any later one) hits them:
     req.disk_tokens          <------------------->   (counted within usage.reuse.prefix_tokens)
 
 A load that misses (a file gone bad, a namespace flushed) stops there: the rest is prefilled. The
-reads start when the request is queued (`prefetch`) and are collected at admission.
+reads (file, checksum, verification) run on a reader thread from when the request is queued
+(`plan_tier_reads`, `kvsplice.engine.tier_reads`); the request is admitted once they are done, and
+only the copy into the pool (`extend_from_entries`) runs on the engine thread.
 
 Windowed pool (`kvsplice.cache.window_pool`, models with sliding-window and full layers): a
 token's sliding-layer K/V lives in a window slot its full slot carries. Window slots are taken just
@@ -81,6 +83,7 @@ from kvsplice.cache.state_pool import StatePool
 from kvsplice.cache.tenant_share import TenantShare
 from kvsplice.cache.tier_format import EntryKey, PrefixHasher, TierEntry, TierIdentity, namespace_name
 from kvsplice.engine.request import Namespace, Req, StateReuse
+from kvsplice.engine.tier_reads import ReadPlan, TierReads
 
 logger = logging.getLogger(__name__)
 WEIGHT_SAMPLE = 4096   # elements of each weight hashed into the disk tier's model identity
@@ -160,6 +163,8 @@ class CacheManager:
                                 on_evict=self._spill if self.tier is not None else None,
                                 share=TenantShare(pool.num_slots, tenant_share))
         self.prefix_cache = prefix_cache
+        # reads of queued requests, off the engine thread (kvsplice.engine.tier_reads)
+        self.reads = TierReads(self.tier, self.tier.config.max_prefetches) if self.tier is not None else None
         self.release_over_share: Callable[[], bool] = lambda: False
         self.windows = pool if isinstance(pool, WindowedKVPool) else None
         self.window_keep = (WindowKeep(pool.window, tail_keep=2 * pool.window)
@@ -189,7 +194,6 @@ class CacheManager:
         match = self._window_cut(ids, req.namespace, self.radix.match_prefix(ids, req.namespace))
         if self.tier is not None:
             match = self._load_from_tier(req, ids, match)
-            self.discard_prefetches(req)
         if self.states is None:
             return match
         node, depth = self.radix.deepest_checkpoint(match.node)
@@ -292,43 +296,50 @@ class CacheManager:
         if len(ids):
             self._spill(namespace, ids, 0, slots, also_cut_at=prompt_len)
 
-    def prefetch(self, req: Req) -> None:
-        """Start reading the tier entries that continue `req`'s prompt beyond what the radix tree
-        holds now (called when the request is queued; `match` collects them)."""
+    def plan_tier_reads(self, req: Req, session_key: EntryKey | None = None) -> ReadPlan | None:
+        """What the reader thread should read for `req` (`kvsplice.engine.tier_reads`): the tier's
+        entries continuing its prompt beyond what the radix tree holds now, and `session_key` (a
+        named session to restore); None when there is nothing to read. Index look-ups only."""
         if self.tier is None or req.wants_prompt_logprobs:
-            return
+            return None
         ids = req.seq_ids[: req.seq_len - 1]
         length = self.radix.match_prefix(ids, req.namespace).length
-        found = self.tier.match_prefix(namespace_name(req.namespace), ids, start_pos=length)
-        req.tier_prefetch = tuple(key for key in found.keys if self.tier.prefetch(key))
-
-    def discard_prefetches(self, req: Req) -> None:
-        """Drop the reads `prefetch` started for `req` that no match collected."""
-        if self.tier is not None:
-            for key in req.tier_prefetch:
-                self.tier.discard_prefetch(key)
-        req.tier_prefetch = ()
+        name = namespace_name(req.namespace)
+        if session_key is None and not self.tier.match_prefix(name, ids, start_pos=length).keys:
+            return None
+        return ReadPlan(name, tuple(ids), length, session_key, req.session_id)
 
     def _load_from_tier(self, req: Req, ids: Sequence[int], match: PrefixMatch) -> PrefixMatch:
-        """`match` extended by the tier's stored continuation of `ids` (`extend_from_tier`);
-        `req.disk_tokens` counts what was loaded."""
-        extended = self.extend_from_tier(ids, req.namespace, match)
-        req.disk_tokens = max(req.disk_tokens, extended.length - match.length)
+        """`match` extended by the entries the reader thread read for `req` (`extend_from_entries`);
+        `req.disk_tokens` counts what was loaded. Never reads a file on this thread."""
+        extended = self.extend_from_entries(ids, req.namespace, match, self.reads.result(req.rid).prefix)
+        req.disk_tokens += extended.length - match.length   # 0 once in the tree (a second match)
         return extended
 
-    def extend_from_tier(self, ids: Sequence[int], namespace: Hashable, match: PrefixMatch) -> PrefixMatch:
-        """`match` (the radix tree's match of `ids`) extended by the tier's stored continuation:
-        the entries are loaded (each verified against `ids`; the first miss ends the run), copied
-        into fresh slots and inserted into the radix tree, and `ids` matched again. `match` itself
-        when the tier has nothing beyond it or the pool has no room."""
-        found = self.tier.match_prefix(namespace_name(namespace), ids, start_pos=match.length)
+    def extend_from_entries(self, ids: Sequence[int], namespace: Hashable, match: PrefixMatch,
+                            entries: Sequence[TierEntry]) -> PrefixMatch:
+        """`match` (the radix tree's match of `ids`) extended by `entries` (a chain read from the
+        tier, `tier_reads.read_chain`): each entry that continues the covered run and whose token
+        ids equal `ids` up to its end is copied into fresh slots, the run enters the radix tree as
+        cached prefix, and `ids` is matched again. `match` itself when no entry continues it (the
+        tree has grown past them, or shrunk below their start) or the pool has no room.
+
+            ids      [ match (radix, locked) ][ e0 ........ ][ e1 ....... ][ rest: prefilled ]
+            entry e   start_e ... covered ... end_e     (only covered..end_e is copied)
+            slots    [ match.slots            ][ fresh = alloc(covered_end - match.length)    ]
+                       kv_into_pool(fresh[covered - match.length : end_e - match.length],
+                                    e.kv[:, :, covered - start_e : end_e - start_e])
+            then     radix.insert(ids[:covered_end], match.slots + fresh): the tree owns them
+                     (any it had already are freed: none, the path is locked), radix unlocked
+        """
         pieces, covered = [], match.length
-        for key, end in zip(found.keys, found.ends):
-            entry = self.tier.get(key, token_ids=ids)
-            if entry is None:
+        for entry in entries:
+            if entry.end_pos <= covered:
+                continue
+            if entry.start_pos > covered or not _tokens_equal(entry, ids):
                 break
-            pieces.append((entry, covered, end))
-            covered = end
+            pieces.append((entry, covered, entry.end_pos))
+            covered = entry.end_pos
         if not pieces:
             return match
         self.radix.lock(match.node)   # the room made for the loaded K/V must not evict the match
@@ -523,3 +534,11 @@ class CacheManager:
         if self.states is not None:
             held = sum((r.state_slot is not None) + len(r.ckpt_slots) for r in running)
             self.states.check_integrity(cached=self.radix.num_checkpoints(), in_use=held + private_states)
+
+
+def _tokens_equal(entry: TierEntry, ids: Sequence[int]) -> bool:
+    """Whether `entry`'s token ids are `ids[:entry.end_pos]` (checked again on the engine thread:
+    the entry was read for this prompt, but may be held across a preemption)."""
+    if entry.end_pos > len(ids):
+        return False
+    return bool(torch.equal(entry.token_ids, torch.as_tensor(ids[: entry.end_pos], dtype=torch.int64)))

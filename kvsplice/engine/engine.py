@@ -57,6 +57,7 @@ from kvsplice.structured.matcher import GrammarState
 from kvsplice.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+TIER_READ_WAIT_S = 0.05   # an idle step waits at most this long for a queued request's tier reads
 
 
 class QueueFullError(RuntimeError):
@@ -212,7 +213,7 @@ class Engine:
         # registered only once everything is built: a constructor that raises leaves no trace
         self._reqs[rid], self._detoks[rid] = req, detok
         self.scheduler.add(req)
-        self.cache.prefetch(req)
+        self.reuse.start_tier_reads(req)
         return rid
 
     def _logits_state(self, prompt_ids: list[int], params: SamplingParams) -> LogitsState | None:
@@ -272,6 +273,9 @@ class Engine:
         outputs += [self._output(req, (), "", ()) for req in self._take_failed()]
         if not self.scheduler.has_work():
             self.check_integrity()
+        elif not self.scheduler.running and self.cache.reads is not None:
+            # only requests waiting for their tier reads: wait for one (briefly) instead of spinning
+            self.cache.reads.wait_any([r.rid for r in self.scheduler.waiting], TIER_READ_WAIT_S)
         return outputs
 
     def _schedule(self) -> tuple[list[Chunk], list[Chunk]]:
@@ -287,9 +291,10 @@ class Engine:
     def _admit_waiting(self, budget: int) -> list[Chunk]:
         """Admission: waiting requests, first come first served, each given its slots
         (`_admit`) and started with a first chunk, while `budget` tokens are left; the first that
-        cannot be admitted now ends it."""
+        cannot be admitted now ends it. A request whose disk-tier reads are still running is
+        passed over (it waits, the others go on: `kvsplice.engine.tier_reads`)."""
         chunks: list[Chunk] = []
-        while budget > 0 and (req := self.scheduler.next_to_admit()) is not None:
+        while budget > 0 and (req := self.scheduler.next_to_admit(self.reuse.tier_ready)) is not None:
             if not self._admit(req):
                 break
             chunk = self.scheduler.start(req, budget)
@@ -516,6 +521,8 @@ class Engine:
         """Let the prefill lane's thread end (it holds the model); the engine must not step after."""
         if self.lane is not None:
             self.lane.close()
+        if self.cache.reads is not None:
+            self.cache.reads.close()
         if self.cache.tier is not None:
             self.cache.tier.close()   # finishes the queued writes
 

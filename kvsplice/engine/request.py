@@ -128,8 +128,9 @@ class Req:
     # hybrid models: offsets where the prompt's messages start (increasing, within the prompt), from
     # the chat template; the checkpoint policy may save the linear layers' state there
     message_offsets: tuple[int, ...] = ()
-    # disk tier: reads started when queued (EntryKeys), prompt tokens loaded from it at admission
-    tier_prefetch: tuple = ()
+    # disk tier: whether its reads were started (kvsplice.engine.tier_reads), prompt tokens loaded
+    # from it at admission
+    tier_reads_started: bool = False
     disk_tokens: int = 0
     # windowed pool (sliding-window models): own offsets below this have had their window trimmed,
     # and the boundaries whose windows it keeps (None until first trimmed)

@@ -24,10 +24,12 @@ exception once slots are taken (allocation, relocation) propagates: the engine f
 and frees what it holds. A request for
 prompt logprobs computes every position (fallback "prompt_logprobs") but still updates its session.
 
-Disk tier (when the engine has one): a session that a client named puts its private K/V into the
-tier (an approximate entry only its id loads) after every turn, and when it is dropped for room if
-the tier holds none of it; a request naming a session that is gone (dropped, or lost with a restart)
-restores it from there before matching (`_restore_session`).
+Disk tier (when the engine has one): a session that a client named puts its own K/V (private, or
+its last completion's when all is exact) into the tier (an approximate entry only its id loads)
+after every turn, and when it is dropped for room if the tier holds none of it; a request naming a
+session that is gone (dropped, or lost with a restart) restores it before matching
+(`_restore_session`) from what the reader thread read of it while the request was queued
+(`start_tier_reads`, `kvsplice.engine.tier_reads`).
 
 Selective recompute (attention-only models; see kvsplice.reuse.recompute): after relocation the
 first `seam_tokens` of every span and the message openings inside the edited spans are added to the
@@ -65,6 +67,7 @@ from kvsplice.cache.tier_format import EntryKey, TierEntry, namespace_name
 from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
+from kvsplice.engine.tier_reads import common_prefix_len
 from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
@@ -138,10 +141,42 @@ class ReuseManager:
         with `update_stats`, record where its prompt came from. False: no slots now (the request
         keeps waiting; nothing changed except session bookkeeping)."""
         admitted = self._admit(req, update_stats)
+        if admitted:
+            self.end_tier_reads(req)   # what they read is in the pool now (or not wanted)
         if admitted and update_stats:
             req.reuse = dataclasses.replace(self._with_flops(req),
                                             disk_tokens=min(req.disk_tokens, req.reuse.prefix_tokens))
         return admitted
+
+    # ----- disk tier reads (kvsplice.engine.tier_reads) ------------------------------------
+    def start_tier_reads(self, req: Req) -> None:
+        """Start reading, off the engine thread, what `req` may load from the disk tier: its
+        prompt's continuation beyond the radix tree and, when it names a session the engine no
+        longer holds but the tier does, that session. Nothing without a tier; retried by
+        `tier_ready` when too many requests hold reads (a request with nothing to read never
+        waits for that)."""
+        reads = self.cache.reads
+        if reads is None or req.tier_reads_started:
+            return
+        session_key = None
+        if req.scr is not None and req.session_id is not None and self.sessions.get(req.namespace, req.session_id) is None:
+            key = EntryKey.for_session(namespace_name(req.namespace), req.session_id)
+            session_key = key if self.cache.tier.contains(key) else None
+        req.tier_reads_started = reads.start(req.rid, self.cache.plan_tier_reads(req, session_key))
+
+    def tier_ready(self, req: Req) -> bool:
+        """Whether waiting `req` may be admitted now: its tier reads (started now if they could
+        not be before) are done. True without a tier."""
+        if self.cache.reads is None:
+            return True
+        self.start_tier_reads(req)
+        return req.tier_reads_started and self.cache.reads.ready(req.rid)
+
+    def end_tier_reads(self, req: Req) -> None:
+        """Drop `req`'s tier reads (admitted or gone); a re-admission (after a preemption) reads anew."""
+        if self.cache.reads is not None:
+            self.cache.reads.drop(req.rid)
+        req.tier_reads_started = False
 
     def _admit(self, req: Req, update_stats: bool) -> bool:
         scr = req.scr
@@ -226,7 +261,7 @@ class ReuseManager:
         conversation its K/V."""
         cfg = scr.cfg
         if req.session_id is not None and self.sessions.get(req.namespace, req.session_id) is None:
-            self._restore_session(req.namespace, req.session_id)
+            self._restore_session(req)
         found = self.sessions.match(
             req.prompt_ids, req.namespace, req.session_id,
             diff=lambda old, new: diff_tokens(old, new, fastdiff_min=cfg.fastdiff_min, cdc_target=cfg.cdc_target))
@@ -518,7 +553,7 @@ class ReuseManager:
     def forget(self, req: Req) -> None:
         """`req` is gone: end its session's in-flight mark and enforce the session limits; drop the
         disk-tier reads started for it that no admission collected."""
-        self.cache.discard_prefetches(req)
+        self.end_tier_reads(req)
         scr = req.scr
         if scr is not None and scr.session is not None:
             self.sessions.end(scr.session)
@@ -560,35 +595,47 @@ class ReuseManager:
 
     # ----- sessions in the disk tier ----------------------------------------------------
     def _spill_session(self, session: Session, replace: bool = True) -> None:
-        """A session that a client named and that holds private (approximate) K/V, as it takes a
-        finished turn (written through) or is dropped for memory (`replace=False`: only when the
-        tier has no entry of it yet, as it has after a turn's write): that K/V goes to the disk
-        tier as an entry only this session id loads back (`_restore_session`); its exact part is
-        in the radix tree and the tier's exact entries. An entry left older than the session (its
-        write dropped) is still consistent: its token ids are those of its K/V."""
+        """A session that a client named, as it takes a finished turn (written through) or is
+        dropped for memory (`replace=False`: only when the tier has no entry of it yet, as it has
+        after a turn's write): its K/V from a split on goes to the disk tier as an entry only this
+        session id loads back (`_restore_session`); the part before the split is in the radix tree
+        and the tier's exact entries. The split is where its private (approximate) K/V starts, or,
+        for a session whose K/V is all exact, where its last prompt ended: the write-through
+        (`CacheManager._write_through`) cut its exact entries there, and without an entry of its
+        own the session (what its next turn relocates from) would not survive a restart. An entry
+        left older than the session (its write dropped) is still consistent: its token ids are
+        those of its K/V.
+
+            session.token_ids  [ exact part (radix / tier exact entries) ][ private K/V      ]
+            all exact          [ ... exact, cut at prompt_len ...        ][ completion's K/V ]
+            entry              token ids [0, split + n), start_pos = split, kv of the n after it
+        """
         kv, tier = session.payload, self.cache.tier
-        if tier is None or not session.named or kv is None or kv.states or not kv.private_slots.numel():
+        if tier is None or not session.named or kv is None or kv.states:
             return
+        split, slots = int(kv.exact_slots.numel()), kv.private_slots
+        if not slots.numel():
+            if not 0 < session.prompt_len < split:
+                return
+            split, slots = session.prompt_len, kv.exact_slots[session.prompt_len:]
         key = EntryKey.for_session(namespace_name(session.namespace), session.session_id)
         if not replace and tier.contains(key):
             return
-        exact = int(kv.exact_slots.numel())
-        ids = torch.tensor(session.token_ids[: exact + int(kv.private_slots.numel())], dtype=torch.int64)
-        tier.put(TierEntry(key, ids, exact, kv_from_pool(self.cache.pool, kv.private_slots), exact=False,
+        ids = torch.tensor(session.token_ids[: split + int(slots.numel())], dtype=torch.int64)
+        tier.put(TierEntry(key, ids, split, kv_from_pool(self.cache.pool, slots), exact=False,
                            session_id=session.session_id))
 
-    def _restore_session(self, namespace, session_id: str) -> None:
-        """Bring back the session `session_id` of `namespace` from the disk tier, if it is there and
-        its exact part can be had whole (radix tree, then the tier's exact entries): its private K/V
-        gets fresh slots, and the session is tracked again (then verified as any named session).
-        The prompt / completion split is not stored: the whole sequence counts as its prompt."""
-        tier = self.cache.tier
-        key = EntryKey.for_session(namespace_name(namespace), session_id) if tier is not None else None
-        if key is None or not tier.contains(key):
+    def _restore_session(self, req: Req) -> None:
+        """Bring back the session `req` names from what the reader thread read of it from the disk
+        tier (`start_tier_reads`), if its exact part can be had whole (radix tree, then the tier's
+        exact entries read with it): its private K/V gets fresh slots, and the session is tracked
+        again (then verified as any named session). The prompt / completion split is not stored:
+        the whole sequence counts as its prompt."""
+        reads = self.cache.reads
+        result = reads.result(req.rid) if reads is not None else None
+        if result is None or result.session is None:
             return
-        entry = tier.get(key, session_id=session_id)
-        if entry is None:
-            return
+        namespace, session_id, entry = req.namespace, req.session_id, result.session
         ids = entry.token_ids.tolist()
         exact = ids[: entry.start_pos]
         match = self.cache.radix.match_prefix(exact, namespace)
@@ -596,7 +643,10 @@ class ReuseManager:
         while (self.cache.allocator.num_free + self.cache.radix.evictable_size() < needed
                and self._drop_one_idle_session()):
             pass                                # idle sessions go first, as for any admission
-        match = self.cache.extend_from_tier(exact, namespace, match)
+        before = match.length
+        match = self.cache.extend_from_entries(exact, namespace, match, result.session_exact)
+        # loaded from disk and shared with the prompt: the request's prefix match finds them cached
+        req.disk_tokens += max(0, min(match.length, common_prefix_len(exact, req.prompt_ids)) - before)
         if match.length != len(exact):        # never keep a gap between the exact and private parts
             return
         self.cache.radix.lock(match.node)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from kvsplice.config import EngineConfig
 from kvsplice.engine.cache_manager import CacheManager
@@ -109,11 +110,12 @@ class Scheduler:
         offsets = req.pending[:budget]
         return Chunk(req, offsets) if self.cache.ensure_window(req, offsets) else None
 
-    def next_to_admit(self) -> Req | None:
-        """The waiting request first in line, while fewer than `max_running` run; else None."""
-        if self.waiting and len(self.running) < self.config.max_running:
-            return self.waiting[0]
-        return None
+    def next_to_admit(self, ready: Callable[[Req], bool] = lambda req: True) -> Req | None:
+        """The waiting request first in line among those `ready` (the engine's: disk-tier reads
+        done), while fewer than `max_running` run; else None."""
+        if len(self.running) >= self.config.max_running:
+            return None
+        return next((req for req in self.waiting if ready(req)), None)
 
     def start(self, req: Req, budget: int) -> Chunk | None:
         """`req` (`next_to_admit`, now holding its slots) runs from this step: its first prefill

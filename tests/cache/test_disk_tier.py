@@ -336,8 +336,10 @@ def test_one_tier_per_directory(tmp_path):
         assert tier.stats().entries == 0
 
 
-def test_header_write_failure_is_a_clear_error(tmp_path):
-    fs = FailingFileSystem(errno.EROFS)
+@pytest.mark.parametrize("error_number", [errno.EROFS, errno.ENOSPC, errno.EACCES])
+def test_header_write_failure_is_a_clear_error(tmp_path, error_number):
+    """A read-only, full or forbidden directory: the tier refuses to start, saying so."""
+    fs = FailingFileSystem(error_number)
     fs.failing = True
     with pytest.raises(DiskTierError, match="cannot write to the KV disk tier"):
         open_tier(tmp_path, fs=fs)

@@ -81,6 +81,21 @@ class BlockingFileSystem(LocalFileSystem):
         super().write_atomic(path, chunks)
 
 
+class GatedReadFileSystem(LocalFileSystem):
+    """A local file system whose reads of entry files wait until `release` is set (a slow disk):
+    `entered` is set once a read is waiting, so a test knows the reader thread is inside one."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def read_file(self, path):
+        if path.suffix == ".kvt":
+            self.entered.set()
+            self.release.wait(timeout=60)
+        return super().read_file(path)
+
+
 def prompt_ids(n: int, seed: int, vocab: int = 300) -> list[int]:
     """`n` random token ids in [5, vocab), the same for the same seed."""
     generator = torch.Generator().manual_seed(seed)

@@ -233,6 +233,27 @@ def test_a_named_session_survives_a_restart_without_any_eviction(model_dir, tmp_
     restarted.engine.close()
 
 
+def test_an_all_exact_named_session_survives_a_restart(model_dir, tmp_path):
+    """A session's first turn relocates nothing (its K/V is all exact, in the tier's exact
+    entries): its completion's K/V is written as the session's own entry, so a restarted engine
+    restores the session and the next, edited turn relocates from it; the restored tokens the
+    prompt shares count as disk tokens."""
+    first = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096, max_batch_tokens=64)
+    head, rest = prompt_ids(40, seed=50), prompt_ids(100, seed=51)
+    [one] = first.generate([head + prompt_ids(6, seed=52) + rest], GREEDY, session_id="s1")
+    assert one.reuse.relocated_tokens == 0
+    first.engine.close()
+    restarted = tiered_llm(model_dir, tmp_path / "tier", num_slots=4096, max_batch_tokens=64)
+    edited = head + prompt_ids(4, seed=53) + rest + one.token_ids + prompt_ids(5, seed=54)
+    [two] = restarted.generate([edited], GREEDY, session_id="s1")
+    assert restarted.engine.reuse.sessions_restored == 1
+    two.reuse.check(len(edited))
+    assert two.reuse.session == "matched" and two.reuse.relocated_tokens > 0
+    assert two.reuse.disk_tokens == two.reuse.prefix_tokens >= len(head) - 1
+    restarted.engine.check_integrity()
+    restarted.engine.close()
+
+
 def test_a_full_disk_costs_reuse_never_a_reply(model_dir, tmp_path):
     """ENOSPC on every write once serving: each is counted and dropped, and the prompts evicted
     meanwhile are recomputed with the cold output."""
