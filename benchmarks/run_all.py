@@ -280,13 +280,6 @@ BENCHMARKS = (
               "came from.",
               f"{FLOAT32}; {SCR_16}.",
               (r"^openai", r"^OK")),
-    Benchmark("agent_harnesses", "Agent CLIs on kvsplice: Codex CLI, Claude Code, opencode", "agent API",
-              "python benchmarks/agent_harnesses.py --turns 2 --out runs/agent_harnesses",
-              "Each CLI through 2 turns (the second resumes the first's session) on Gemma 3 270M: per turn, "
-              "the CLI's exit, its requests and where their prompt tokens came from (per request: "
-              "docs/benchmarks/agent_harnesses.txt).",
-              "`kvsplice serve` defaults, replies at most 48 tokens; CLI versions in the output.",
-              (r"^CPU:", r"^load average", r"^\| harness \| turn \| CLI exit", r"^\| \w+ \| \d+ \| exit ")),
 )
 
 
