@@ -76,7 +76,7 @@ from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_
                                  removed_spans)
 from kvsplice.message_offsets import MessageStarts
 from kvsplice.reuse.recompute import in_edited_keeps, seam_offsets
-from kvsplice.reuse.relocate import relocate, relocate_reference
+from kvsplice.reuse.relocate import relocate
 from kvsplice.reuse.scr_request import ScrRequest
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -404,12 +404,10 @@ class ReuseManager:
 
     def _relocate(self, req: Req, plan: SpanPlan, old_slots: torch.Tensor, cfg: ReuseConfig) -> None:
         rotary = None if cfg.no_rerotate else self.rotary
-        # a windowed pool keeps its full layers only in pool.k: the reference path, which it is tested with
-        move = relocate if self.cache.windows is None else relocate_reference
         for keep in plan.keeps:
             self._failpoint("relocate", req)
-            move(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
-                 req.seq_slots[keep.dst_pos: keep.dst_end], keep, rotary)
+            relocate(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
+                     req.seq_slots[keep.dst_pos: keep.dst_end], keep, rotary)
 
     def _relocate_windows(self, req: Req, scr: ScrRequest, old_slots: torch.Tensor) -> int:
         """A windowed pool (sliding-window layers, kvsplice.cache.window_pool): the sliding layers

@@ -45,12 +45,14 @@ def relocate(pool: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor, kee
     _check_lengths(src_slots, dst_slots, keep)
     turns = _span_turns(pool, keep, rotary)
     src, dst = _as_run(src_slots), _as_run(dst_slots)
-    for layer in range(pool.k.shape[0]):
-        keys = _gather(pool.k_layer(layer), src)                       # [n, kv_heads, head_dim], a copy
+    # pool.k's own layers (a windowed pool's k holds only its full layers; its k_layer() is indexed
+    # by model layer and would hand back sliding layers' window storage)
+    for layer, (k_layer, v_layer) in enumerate(zip(pool.k, pool.v)):
+        keys = _gather(k_layer, src)                                   # [n, kv_heads, head_dim], a copy
         if turns is not None:
             turn_layer_keys_(keys, turns[layer])
-        _scatter(pool.k_layer(layer), dst, keys)
-        _scatter(pool.v_layer(layer), dst, _gather(pool.v_layer(layer), src))
+        _scatter(k_layer, dst, keys)
+        _scatter(v_layer, dst, _gather(v_layer, src))
 
 
 def _as_run(slots: torch.Tensor) -> slice | torch.Tensor:
