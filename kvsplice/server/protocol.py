@@ -53,35 +53,29 @@ def request_limits(info: ValidationInfo) -> RequestLimits:
     return (info.context or {}).get("limits") or RequestLimits()
 
 
+def _stop_entries(value: Union[str, list[str]], info: ValidationInfo, noun: str) -> list[str]:
+    """`value` (one entry or a list) as a list, each within max_stop_chars and at most max_stop of them."""
+    limits = request_limits(info)
+    entries = [value] if isinstance(value, str) else value
+    if len(entries) > limits.max_stop:
+        raise ValueError(f"at most {limits.max_stop} {noun}s are allowed, got {len(entries)}")
+    for entry in entries:
+        if len(entry) > limits.max_stop_chars:
+            raise ValueError(f"a {noun} may have at most {limits.max_stop_chars} characters, got {len(entry)}")
+    return entries
+
+
 def _check_stop(stop: Union[str, list[str], None], info: ValidationInfo) -> Union[str, list[str], None]:
     """`stop`: at most max_stop entries, each non-empty and at most max_stop_chars characters."""
-    if stop is None:
-        return stop
-    limits = request_limits(info)
-    entries = [stop] if isinstance(stop, str) else stop
-    if len(entries) > limits.max_stop:
-        raise ValueError(f"at most {limits.max_stop} stop strings are allowed, got {len(entries)}")
-    for entry in entries:
-        if entry == "":
-            raise ValueError("stop strings must be non-empty (an empty one would match before the first token)")
-        if len(entry) > limits.max_stop_chars:
-            raise ValueError(f"a stop string may have at most {limits.max_stop_chars} characters, "
-                             f"got {len(entry)}")
+    if stop is not None and "" in _stop_entries(stop, info, "stop string"):
+        raise ValueError("stop strings must be non-empty (an empty one would match before the first token)")
     return stop
 
 
 def _check_stop_regex(patterns: Union[str, list[str], None], info: ValidationInfo) -> Union[str, list[str], None]:
     """SGLang's `stop_regex`: at most max_stop patterns of at most max_stop_chars characters, each one
     that compiles and cannot match the empty string."""
-    if patterns is None:
-        return patterns
-    limits = request_limits(info)
-    entries = [patterns] if isinstance(patterns, str) else patterns
-    if len(entries) > limits.max_stop:
-        raise ValueError(f"at most {limits.max_stop} stop regexes are allowed, got {len(entries)}")
-    for entry in entries:
-        if len(entry) > limits.max_stop_chars:
-            raise ValueError(f"a stop regex may have at most {limits.max_stop_chars} characters, got {len(entry)}")
+    for entry in _stop_entries(patterns, info, "stop regex") if patterns is not None else ():
         compile_stop_regex(entry)
     return patterns
 
