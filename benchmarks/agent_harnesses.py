@@ -488,9 +488,11 @@ def report(saved: list[dict[str, Any]]) -> None:
     first = saved[0]
     print(f"CPU: {first['cpu']}")
     print(f"load average at start: {first['load']}")
-    print(f"model: {first['model']}; replies at most {first['reply_tokens']} tokens (generation_config)")
+    print(f"model: {first['model']}; replies' budget: generation_config max_new_tokens (Codex sends none) or "
+          f"CLAUDE_CODE_MAX_OUTPUT_TOKENS / opencode's output limit, per harness below")
     for run in saved:
-        print(f"{run['harness']}: {run['version']}, {len(run['turns'])} turns, run {run['date']}")
+        print(f"{run['harness']}: {run['version']}, {len(run['turns'])} turns, replies at most {run['reply_tokens']} "
+              f"tokens, run {run['date']}, load at start {run['load']}")
     print()
     print("| harness | turn | req | route | status | s | prompt | prefix | relocated | prefilled | edit since the nearest earlier request |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
