@@ -291,14 +291,13 @@ of `kvsplice serve` with no flags: SCR with at most 6 relocated spans (K=6), a r
 tokens per span, and selective recompute of the first 8 tokens of every relocated span
 (`--scr-seam-tokens 8`) and of every message opening inside an edited span (role, line break, first
 content token: `--scr-message-start-tokens 1`); `--dtype auto` (bf16 where the CPU has avx512_bf16
-/ amx_bf16, else float32), `--weight-format auto` (with bf16, the GGUF's 4-bit groups), no
-`--compile-decode`.
+/ amx_bf16, else float32), `--weight-format auto` (with bf16, the GGUF's 4-bit groups), `--compile-decode auto` (the compiled
+step only where a trial at start-up finds it faster).
 
 Each section gives its setting, date and CPU. A setting other than the defaults is named:
 `--dtype float32` where a script builds the engine in its own process (float32 is the default
-there), `--compile-decode`, or the SCR default of the day it ran (no selective recompute before 1
-December 14:00 UTC, then 16 seam tokens without openings until 2 December 18:30 UTC). Ratios are
-against a baseline in the same run. The machines are shared 2-core VMs: TTFT is the noisiest figure.
+there), `--compile-decode`, or the SCR default of the day it ran. Ratios are against a baseline in
+the same run. TTFT is the noisiest figure.
 
 The page shows each output's summary lines; the whole output is in `docs/benchmarks/<name>.txt`.
 Rebuild it with `python benchmarks/run_all.py` (about an hour), `--only NAME,...` or
