@@ -58,7 +58,8 @@ class EngineConfig:
         otherwise off. `kvsplice serve` defaults to 1 where the process has 2 threads or more.
     disk_tier: where the K/V the pool evicts goes instead of being dropped, and from where a later
         prefix match loads it (`kvsplice.cache.disk_tier`; `--kv-disk-dir`, `--kv-disk-gb`); None:
-        no disk tier. Attention-only models (a hybrid's states are not stored: ignored there).
+        no disk tier. On a hybrid its entries carry the linear layers' state checkpoints too; ignored
+        with a windowed pool (sliding-window models).
     tenant_kv_share: the share (0, 1] of the pool's slots, and of the disk tier's bytes, one cache
         namespace (API-key tenant + cache_salt) may hold in cached K/V before eviction takes its
         own least recently used entries first (`kvsplice.cache.tenant_share`); 1: plain LRU.

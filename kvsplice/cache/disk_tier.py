@@ -194,8 +194,8 @@ class DiskTier:
         when the writer queue is full, when the entry cannot fit its namespace's share or the
         budget even after evicting every stored entry it may evict, or when the same key is being
         written already. An exact entry whose key is stored already (same tokens up to the same
-        end) replaces it only if it starts earlier (covers more). Raises ValueError only for a
-        malformed entry (see `TierEntry.validate`)."""
+        end) replaces it only if it starts earlier (covers more) or brings a state checkpoint the
+        stored one lacks. Raises ValueError only for a malformed entry (see `TierEntry.validate`)."""
         entry.validate(self.identity)
         head, header = build_header(entry, self.identity)
         key, size = entry.key, header.file_size
@@ -203,7 +203,8 @@ class DiskTier:
             if self._closed or key in self._inflight:
                 return False
             stored = self._lru.get(key)
-            if stored is not None and entry.exact and stored.start_pos <= entry.start_pos:
+            if (stored is not None and entry.exact and stored.start_pos <= entry.start_pos
+                    and (stored.has_states or not entry.states)):
                 self._touch(key)                    # the stored K/V cover these: nothing to write
                 return True
             reserved = sum(self._inflight.values())
@@ -228,6 +229,12 @@ class DiskTier:
         """Whether `key` is stored (no I/O; a load can still miss if its file has gone bad)."""
         with self._lock:
             return key in self._lru
+
+    def has_states(self, key: EntryKey) -> bool:
+        """Whether `key` is stored with a state checkpoint (no I/O)."""
+        with self._lock:
+            header = self._lru.get(key)
+            return header is not None and header.has_states
 
     def match_prefix(self, namespace: str, token_ids: Sequence[int] | torch.Tensor,
                      start_pos: int = 0) -> TierMatch:

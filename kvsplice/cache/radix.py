@@ -15,9 +15,11 @@ instead of taking references, and the lock keeps eviction away from the whole pa
 Time is a per-cache monotonic counter, not the wall clock, so LRU order is deterministic in tests.
 
 Spilling: a tree built with `on_evict` hands every leaf that `evict` takes (pool pressure) to it
-before the leaf's slots are freed, as (namespace, token ids from position 0 to the leaf's end, the
-leaf's first position, the leaf's slots): the engine copies that K/V out to the disk tier
-(`kvsplice.cache.disk_tier`). `reset` (a flush) drops leaves without handing them over.
+before the leaf's slots (and its checkpoint) are freed, as (namespace, token ids from position 0 to
+the leaf's end, the leaf's first position, the leaf's slots, the leaf's state checkpoint or None):
+the engine copies that K/V and state out to the disk tier (`kvsplice.cache.disk_tier`). A
+checkpoint always sits at its node's end, so a leaf holds at most that one. `reset` (a flush) drops
+leaves without handing them over.
 
 Tenant share: a tree built with a `TenantShare` evicts the least recently used leaves of namespaces
 holding more than their cap first, then plain LRU (`kvsplice.cache.tenant_share`).
@@ -36,8 +38,9 @@ from kvsplice.cache.checkpoint_policy import CheckpointCandidate, least_useful
 from kvsplice.cache.tenant_share import TenantShare
 
 TokenKey = tuple[int, ...]
-# on_evict(namespace, token ids from position 0 to the leaf's end, the leaf's start, its slots)
-EvictionHook = Callable[[Hashable, TokenKey, int, torch.Tensor], None]
+# on_evict(namespace, token ids from position 0 to the leaf's end, the leaf's start, its slots,
+#          its state checkpoint: the StatePool slot of the state after its last token, or None)
+EvictionHook = Callable[[Hashable, TokenKey, int, torch.Tensor, Optional[int]], None]
 
 
 class TreeNode:
@@ -368,7 +371,8 @@ class RadixCache:
             parent = leaf.parent
             if spill and self.on_evict is not None:
                 path_ids = self.path_ids(leaf)
-                self.on_evict(leaf.namespace, path_ids, len(path_ids) - len(leaf), leaf.slots)
+                self.on_evict(leaf.namespace, path_ids, len(path_ids) - len(leaf), leaf.slots,
+                              leaf.state_checkpoint)
             freed += self._remove_leaf(leaf)
             if not parent.is_root and parent in self._evictable_leaves:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))

@@ -14,6 +14,10 @@ Layout: `conv[linear_layer]` is `[num_slots, conv_dim, K-1]` in the model dtype,
 is `[num_slots, Hv, Dk, Dv]` in fp32 (the rule's state is accumulated in fp32, as transformers).
 A slot of a real hybrid is large: `state_slot_bytes` (about 147 MiB for a Qwen3.5-27B-sized model,
 74 MiB for Qwen3-Next-80B-A3B), which is why the checkpoint policy caps the tree's checkpoints.
+
+A slot leaves the pool as named tensors (`snapshot`: {"conv": [layers, conv_dim, K-1],
+"rec": [layers, Hv, Dk, Dv]}, fresh copies) and comes back through `restore`, which takes them only
+when their names, shapes and dtypes are this pool's: the disk tier stores a checkpoint that way.
 """
 
 from __future__ import annotations
@@ -58,6 +62,24 @@ class StatePool:
         """Copy the state of slot `src` into slot `dst`, every layer."""
         self.conv[:, dst] = self.conv[:, src]
         self.rec[:, dst] = self.rec[:, src]
+
+    def snapshot(self, slot: int) -> dict[str, torch.Tensor]:
+        """The state in `slot` as fresh CPU tensors by name ({"conv", "rec"}, every linear layer):
+        the caller may keep them while the slot is freed and reused."""
+        return {"conv": self.conv[:, slot].cpu().clone(), "rec": self.rec[:, slot].cpu().clone()}
+
+    def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether `tensors` is a `snapshot` of this pool's layout (same names, shapes, dtypes)."""
+        layout = {"conv": self.conv[:, 0], "rec": self.rec[:, 0]}
+        return set(tensors) == set(layout) and all(
+            tensors[name].shape == like.shape and tensors[name].dtype == like.dtype for name, like in layout.items())
+
+    def restore(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a `snapshot` into `slot`, every layer. Raises ValueError when it does not `fit`."""
+        if not self.fits(tensors):
+            raise ValueError("the state tensors do not match this StatePool's layout")
+        self.conv[:, slot] = tensors["conv"].to(self.conv.device)
+        self.rec[:, slot] = tensors["rec"].to(self.rec.device)
 
     def bytes_per_slot(self) -> int:
         """Memory of one slot over all linear layers (equals `state_slot_bytes` of its shape)."""

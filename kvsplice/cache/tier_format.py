@@ -245,6 +245,11 @@ class EntryHeader:
     def file_size(self) -> int:
         return PREFIX.size + self.header_len + self.payload_len + CHECKSUM.size
 
+    @property
+    def has_states(self) -> bool:
+        """Whether the entry holds a recurrent-state checkpoint (a hybrid's state after its end)."""
+        return any(name.startswith(STATE_PREFIX) for name, _, _, _ in self.tensors)
+
 
 def _align(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN

@@ -28,9 +28,10 @@ nodes; the rest is freed. The tree then keeps at most `policy.max_states` of the
 go first; see `kvsplice.cache.checkpoint_policy`). States an SCR request will load are pinned (one
 extra reference each, `pin_loads`) until the request lets go of its states.
 
-Disk tier (attention-only models, `kvsplice.cache.disk_tier`): a radix leaf evicted for room is
+Disk tier (`kvsplice.cache.disk_tier`; not with a windowed pool): a radix leaf evicted for room is
 copied out of the pool (before its slots are freed) and put into the tier as an exact prefix entry
-of its namespace; the writer thread writes it. A finished request's exact K/V is put as well, as
+of its namespace, on a hybrid with the leaf's state checkpoint (the state after its end); the
+writer thread writes it. A finished request's exact K/V is put as well, as
 it enters the tree (only the pieces the tier lacks), so that a SIGKILL or a crash loses no more than
 the requests in flight and the eviction of a piece already stored copies nothing. A match first
 takes the radix tree's prefix A, then asks the tier for stored entries continuing the prompt
@@ -40,7 +41,10 @@ request (and any later one) hits them:
     prompt      [ A: radix ][ loaded from the tier ][ prefilled ... ]
     req.disk_tokens          <------------------->   (counted within usage.reuse.prefix_tokens)
 
-A load that misses (a file gone bad, a namespace flushed) stops there: the rest is prefilled. The
+On a hybrid a loaded entry's checkpoint becomes its radix node's, and the match is cut back to the
+deepest checkpoint as for any hit; a finished request's exact states go to the tier with its K/V
+(each at the end of an entry cut there). A load that misses (a file gone bad, a namespace
+flushed) stops there: the rest is prefilled. The
 reads (file, checksum, verification) run on a reader thread from when the request is queued
 (`plan_tier_reads`, `kvsplice.engine.tier_reads`); the request is admitted once they are done, and
 only the copy into the pool (`extend_from_entries`) runs on the engine thread.
@@ -96,17 +100,13 @@ def open_disk_tier(tier_config: DiskTierConfig | None, model: torch.nn.Module, m
     weights by a hash of every parameter's name, shape and a strided sample of its values, with the
     dtype, weight format, fast-path setting and the model config: entries written by any other
     model or setting are discarded at start, never loaded. Its per-namespace share is at most the
-    engine's `tenant_kv_share`. None on a hybrid model too (a prefix's
-    K/V is of no use there without the linear layers' state, which the tier does not get yet).
+    engine's `tenant_kv_share`. On a hybrid model the entries also carry the linear layers' state
+    checkpoints (the identity's config hash covers their shapes). None with a windowed pool.
     Raises DiskTierError when the directory cannot be used."""
     if tier_config is None:
         return None
     share = min(tier_config.namespace_share, engine_config.tenant_kv_share)
     tier_config = dataclasses.replace(tier_config, namespace_share=share)
-    if model_config.is_hybrid:
-        logger.warning("the KV disk tier %s is not used: %s is a hybrid model", tier_config.dir,
-                       model_config.model_type)
-        return None
     if uses_window_pool(model_config):
         logger.warning("the KV disk tier %s is not used: %s keeps sliding-window layers in a windowed pool, "
                        "whose layout the tier's entries do not hold", tier_config.dir, model_config.model_type)
@@ -191,13 +191,15 @@ class CacheManager:
         if not self.prefix_cache or req.wants_prompt_logprobs:
             return self.radix.match_prefix([], req.namespace)
         ids = req.seq_ids[: req.seq_len - 1]
-        match = self._window_cut(ids, req.namespace, self.radix.match_prefix(ids, req.namespace))
-        if self.tier is not None:
-            match = self._load_from_tier(req, ids, match)
+        cached = self._window_cut(ids, req.namespace, self.radix.match_prefix(ids, req.namespace))
+        match = self._load_from_tier(req, ids, cached) if self.tier is not None else cached
         if self.states is None:
+            req.disk_tokens += match.length - cached.length   # 0 once in the tree (a second match)
             return match
         node, depth = self.radix.deepest_checkpoint(match.node)
         req.state_reuse = StateReuse(radix_match=match.length, checkpoint_depth=depth)
+        # a hybrid resumes only at a checkpoint: loaded K/V beyond the deepest one is prefilled again
+        req.disk_tokens += max(0, depth - cached.length)
         return PrefixMatch(match.slots[:depth], node, depth)
 
     def admit(self, req: Req) -> bool:
@@ -268,33 +270,62 @@ class CacheManager:
 
     # ----- the disk tier -----------------------------------------------------------------
     def _spill(self, namespace: Hashable, token_ids: Sequence[int], start: int, slots: torch.Tensor,
-               also_cut_at: int | None = None) -> None:
+               state_slot: int | None = None) -> None:
         """The radix tree's eviction hook: the evicted leaf (positions start..end of `token_ids`,
-        K/V in `slots`) as exact entries cut at every multiple of TIER_CHUNK_TOKENS (and at
-        `also_cut_at`), the K/V of those the tier does not hold yet copied out now (the slots are
-        freed right after) and written later. An entry serves a match only up to its end, so the
-        cuts let a later prompt that stops inside the leaf (the same prompt without the reply it
-        got) load all but its last partial chunk."""
+        K/V in `slots`; on a hybrid `state_slot`, its checkpoint: the state after its end) goes
+        to the tier (`_put_run`) before its slots and checkpoint are freed."""
+        states = {len(token_ids): state_slot} if state_slot is not None and self.states is not None else {}
+        self._put_run(namespace, token_ids, start, slots, states)
+
+    def _put_run(self, namespace: Hashable, token_ids: Sequence[int], start: int, slots: torch.Tensor,
+                 states: dict[int, int], also_cut_at: int | None = None) -> None:
+        """Positions start..end of `token_ids` (K/V in `slots`) as exact entries, cut at every
+        multiple of TIER_CHUNK_TOKENS, at `also_cut_at` and at every length of `states` (a hybrid's
+        exact states {sequence length: state slot}): the entry ending at such a length carries that
+        state (`StatePool.snapshot`), the only place a hybrid can resume from. The K/V (and states)
+        of the pieces the tier does not hold yet (or holds without the state this one brings) are
+        copied out now (the slots may be freed right after) and written later. An entry serves a
+        match only up to its end, so the cuts let a later prompt that stops inside the run (the
+        same prompt without the reply it got) load all but its last partial chunk.
+
+            ids     0 ........ start [ lo0 | lo1=128 | ... | message start m | ... | end ]
+            entry   (key: hash chain of ids[:hi])  ids[:hi], kv of lo..hi, state at hi when m = hi
+        """
         ids = torch.as_tensor(token_ids, dtype=torch.int64)
         name = namespace_name(namespace)
         cuts = {start, *range((start // TIER_CHUNK_TOKENS + 1) * TIER_CHUNK_TOKENS, len(ids), TIER_CHUNK_TOKENS), len(ids)}
-        if also_cut_at is not None and start < also_cut_at < len(ids):
-            cuts.add(also_cut_at)
+        cuts |= {length for length in (*states, also_cut_at) if length is not None and start < length < len(ids)}
         cuts = sorted(cuts)
         hasher = PrefixHasher().update(ids[:start])
         for lo, hi in zip(cuts, cuts[1:]):
             key = EntryKey(name, hasher.update(ids[lo:hi]).hexdigest())
-            if not self.tier.contains(key):
-                self.tier.put(TierEntry(key, ids[:hi], lo, kv_from_pool(self.pool, slots[lo - start: hi - start])))
+            state = states.get(hi)
+            if self.tier.contains(key) and (state is None or self.tier.has_states(key)):
+                continue
+            snapshot = self.states.snapshot(state) if state is not None else {}
+            self.tier.put(TierEntry(key, ids[:hi], lo, kv_from_pool(self.pool, slots[lo - start: hi - start]), snapshot))
 
-    def _write_through(self, namespace: Hashable, ids: Sequence[int], slots: torch.Tensor, prompt_len: int) -> None:
-        """A finished request's exact K/V (`ids`, in `slots`) into the tier as well as the radix
-        tree, so that a SIGKILL loses no more than the turns in flight: the pieces of the spill's
-        cuts the tier does not hold yet (an earlier turn's are skipped by key, with no copy), with
-        one more cut at the prompt's end. The next turn of a chat resends this prompt but not the
-        reply's exact tokens (a client re-renders it), so that cut is where it diverges."""
+    def _write_through(self, namespace: Hashable, ids: Sequence[int], slots: torch.Tensor, prompt_len: int,
+                       states: dict[int, int]) -> None:
+        """A finished request's exact K/V (`ids`, in `slots`; on a hybrid its exact `states`, by
+        sequence length) into the tier as well as the radix tree, so that a SIGKILL loses no more
+        than the turns in flight: the pieces of the spill's cuts the tier does not hold yet (an
+        earlier turn's are skipped by key, with no copy), with one more cut at the prompt's end.
+        The next turn of a chat resends this prompt but not the reply's exact tokens (a client
+        re-renders it), so that cut is where it diverges."""
         if len(ids):
-            self._spill(namespace, ids, 0, slots, also_cut_at=prompt_len)
+            self._put_run(namespace, ids, 0, slots, states, also_cut_at=prompt_len)
+
+    def _exact_states(self, req: Req, exact_len: int) -> dict[int, int]:
+        """`req`'s states at lengths 0 < p <= exact_len, {p: state slot} (its filled checkpoints
+        and its working state at the computed length), still held by `req`; {} without states."""
+        if self.states is None or req.state_slot is None:
+            return {}
+        states = {length: slot for length, slot in req.ckpt_slots.items() if 0 < length <= exact_len}
+        kv_len = self.computed_len(req)
+        if 0 < kv_len <= exact_len:
+            states[kv_len] = req.state_slot
+        return states
 
     def plan_tier_reads(self, req: Req, session_key: EntryKey | None = None) -> ReadPlan | None:
         """What the reader thread should read for `req` (`kvsplice.engine.tier_reads`): the tier's
@@ -310,11 +341,9 @@ class CacheManager:
         return ReadPlan(name, tuple(ids), length, session_key, req.session_id)
 
     def _load_from_tier(self, req: Req, ids: Sequence[int], match: PrefixMatch) -> PrefixMatch:
-        """`match` extended by the entries the reader thread read for `req` (`extend_from_entries`);
-        `req.disk_tokens` counts what was loaded. Never reads a file on this thread."""
-        extended = self.extend_from_entries(ids, req.namespace, match, self.reads.result(req.rid).prefix)
-        req.disk_tokens += extended.length - match.length   # 0 once in the tree (a second match)
-        return extended
+        """`match` extended by the entries the reader thread read for `req` (`extend_from_entries`).
+        Never reads a file on this thread."""
+        return self.extend_from_entries(ids, req.namespace, match, self.reads.result(req.rid).prefix)
 
     def extend_from_entries(self, ids: Sequence[int], namespace: Hashable, match: PrefixMatch,
                             entries: Sequence[TierEntry]) -> PrefixMatch:
@@ -331,6 +360,10 @@ class CacheManager:
                                     e.kv[:, :, covered - start_e : end_e - start_e])
             then     radix.insert(ids[:covered_end], match.slots + fresh): the tree owns them
                      (any it had already are freed: none, the path is locked), radix unlocked
+
+        On a hybrid, each copied entry's state checkpoint (the state after its end) becomes the
+        checkpoint of the radix node ending there (`_load_checkpoint`); a match is then cut back
+        to the deepest checkpoint as usual, so K/V loaded without a state beyond it is prefilled.
         """
         pieces, covered = [], match.length
         for entry in entries:
@@ -352,8 +385,28 @@ class CacheManager:
             kv_into_pool(self.pool, slots[start - match.length: end - match.length], kv)
         n_present = self.radix.insert(ids[:covered], torch.cat([match.slots, slots]), namespace)
         self.allocator.free(slots[: max(0, n_present - match.length)])   # none: the path is locked
+        if self.states is not None:
+            for entry, _, _ in pieces:
+                self._load_checkpoint(ids, namespace, entry)
         self.radix.unlock(match.node)
         return self.radix.match_prefix(ids, namespace)
+
+    def _load_checkpoint(self, ids: Sequence[int], namespace: Hashable, entry: TierEntry) -> bool:
+        """The state checkpoint `entry` carries into a fresh state slot, set on the radix node that
+        ends at `entry.end_pos` (`ids[:end]` must be in the tree). False, with nothing taken, when
+        the entry has none or one of another layout (`StatePool.fits`), the node has one already,
+        or no state slot can be had (may drop the tree's least useful checkpoint for room)."""
+        if not entry.states or not self.states.fits(entry.states):
+            return False
+        found = self.radix.match_prefix(ids[: entry.end_pos], namespace)
+        if found.length != entry.end_pos or found.node.state_checkpoint is not None:
+            return False
+        slot = self.alloc_state()
+        if slot is None:
+            return False
+        self.states.restore(slot, entry.states)
+        self.radix.set_checkpoint(found.node, slot)
+        return True
 
     # ----- flushes ------------------------------------------------------------------------
     def flush(self, owner: str | None = None) -> None:
@@ -375,16 +428,23 @@ class CacheManager:
     # ----- linear-layer states (hybrid models) --------------------------------------------
     def admit_state(self, req: Req, match: PrefixMatch) -> bool:
         """Give `req` a working state slot (evicting radix checkpoints if needed) initialised from
-        the checkpoint at `match.node`, or zeros. True without a StatePool; False when no slot."""
+        the checkpoint at `match.node`, or zeros. True without a StatePool; False when no slot.
+        The checkpoint is pinned (one more reference) while a slot is found, so the room made
+        for the slot never drops the very state it is to copy."""
         if self.states is None:
             return True
+        source = match.node.state_checkpoint if match.length else None
+        if source is not None:
+            self.states.allocator.incref(torch.tensor([source], dtype=torch.int64))
         slot = self.alloc_state()
+        if slot is not None and source is not None:
+            self.states.copy(source, slot)
+        elif slot is not None:
+            self.states.zero(slot)
+        if source is not None:
+            self.states.free([source])
         if slot is None:
             return False
-        if match.length and match.node.state_checkpoint is not None:
-            self.states.copy(match.node.state_checkpoint, slot)
-        else:
-            self.states.zero(slot)
         req.state_slot = slot
         return True
 
@@ -481,11 +541,14 @@ class CacheManager:
         return True
 
     # ----- release ----------------------------------------------------------------------
-    def release(self, req: Req, cache: bool, exact_len: int | None = None) -> torch.Tensor:
+    def release(self, req: Req, cache: bool, exact_len: int | None = None,
+                taken_states: dict[int, int] | None = None) -> torch.Tensor:
         """Take back `req`'s slots (see the module diagram).
 
         With `cache`, the exact K/V (offsets < exact_len, default all computed ones) is inserted
-        into the radix tree. Returns the slots of the approximate part [exact_len, kv_len), which
+        into the radix tree (and written through to the disk tier, on a hybrid with the exact
+        states: `req`'s own, or `taken_states` when the caller took them already, `take_states`;
+        they stay the caller's). Returns the slots of the approximate part [exact_len, kv_len), which
         the caller now owns (an SCR session keeps them; otherwise free them). Idempotent per
         request: clears `seq_slots` and the lock.
         """
@@ -497,7 +560,9 @@ class CacheManager:
         if cache and self.prefix_cache and kv_len > 0:
             n_present = self.radix.insert(ids, req.seq_slots[:exact_len], req.namespace)
             if self.tier is not None:
-                self._write_through(req.namespace, ids, req.seq_slots[:exact_len], len(req.prompt_ids))
+                states = self._exact_states(req, exact_len) if taken_states is None else {
+                    length: slot for length, slot in taken_states.items() if 0 < length <= exact_len}
+                self._write_through(req.namespace, ids, req.seq_slots[:exact_len], len(req.prompt_ids), states)
             dup_end = max(n_present, req.owned_from)
             self.allocator.free(req.seq_slots[req.owned_from: dup_end])
             leftover = req.seq_slots[max(exact_len, req.owned_from): kv_len].clone()

@@ -30,6 +30,9 @@ after every turn, and when it is dropped for room if the tier holds none of it; 
 session that is gone (dropped, or lost with a restart) restores it before matching
 (`_restore_session`) from what the reader thread read of it while the request was queued
 (`start_tier_reads`, `kvsplice.engine.tier_reads`).
+On a hybrid model sessions are not written (their relocation would need the linear layers' states
+of the private part too): a named session that is gone comes back through the prefix path, from
+the tier's exact entries and the state checkpoints they carry.
 
 Selective recompute (attention-only models; see kvsplice.reuse.recompute): after relocation the
 first `seam_tokens` of every span and the message openings inside the edited spans are added to the
@@ -486,7 +489,7 @@ class ReuseManager:
         ids = req.seq_ids[:kv_len]
         exact_len = min(scr.plan.exact_len if scr.plan is not None else kv_len, kv_len)
         states = self.cache.take_states(req) if self.cache.states is not None else {}
-        private = self.cache.release(req, cache=True, exact_len=exact_len)
+        private = self.cache.release(req, cache=True, exact_len=exact_len, taken_states=states)
         if states:
             # exact states become radix checkpoints (the session finds them on its locked path);
             # the approximate ones, after the first relocated token, stay the session's own
@@ -611,8 +614,8 @@ class ReuseManager:
             entry              token ids [0, split + n), start_pos = split, kv of the n after it
         """
         kv, tier = session.payload, self.cache.tier
-        if tier is None or not session.named or kv is None or kv.states:
-            return
+        if tier is None or not session.named or kv is None or self.cache.states is not None:
+            return          # a hybrid's session would need its states too: its exact entries carry them
         split, slots = int(kv.exact_slots.numel()), kv.private_slots
         if not slots.numel():
             if not 0 < session.prompt_len < split:
