@@ -34,6 +34,40 @@ def test_alloc_copy_zero_free_and_integrity():
     assert pool.bytes_per_slot() == 2 * (LIN.conv_dim * 3 + 4 * 8 * 6) * 4
 
 
+def test_snapshot_and_restore_round_trip_and_refuse_another_layout():
+    pool = StatePool(3, 2, LIN)
+    a, b = pool.alloc_one(), pool.alloc_one()
+    pool.rec[:, a].normal_()
+    pool.conv[:, a].normal_()
+    saved = pool.snapshot(a)
+    assert set(saved) == {"conv", "rec"} and saved["rec"].shape == (2, 4, 8, 6)
+    pool.zero(a)                                  # a snapshot is a copy: the slot may be reused
+    assert saved["rec"].abs().sum() > 0
+    assert pool.fits(saved)
+    pool.restore(b, saved)
+    assert torch.equal(pool.rec[:, b], saved["rec"]) and torch.equal(pool.conv[:, b], saved["conv"])
+    other = StatePool(3, 1, LIN)                  # another model: one linear layer
+    assert not other.fits(saved) and not pool.fits({"rec": saved["rec"]})
+    assert not pool.fits({**saved, "rec": saved["rec"].to(torch.float64)})
+    with pytest.raises(ValueError):
+        other.restore(0, saved)
+
+
+def test_an_evicted_leaf_is_handed_over_with_its_checkpoint():
+    """The spill hook (the disk tier's) sees each evicted leaf's checkpoint before it is freed."""
+    kv, states = SlotAllocator(32), StatePool(4, 1, LIN)
+    seen = []
+    radix = RadixCache(kv, states.allocator,
+                       on_evict=lambda ns, ids, start, slots, state: seen.append((len(ids), start, state)))
+    radix.insert(list(range(10)), kv.alloc(10), None)
+    slot = states.alloc_one()
+    radix.set_checkpoint(radix.match_prefix(list(range(6)), None).node, slot)
+    assert radix.evict(10) == 10
+    assert seen == [(10, 6, None), (6, 0, slot)]
+    assert states.allocator.num_free == 4
+    radix.check_integrity()
+
+
 def test_radix_checkpoints_split_evict_and_count():
     kv, states = SlotAllocator(32), StatePool(4, 1, LIN)
     radix = RadixCache(kv, states.allocator)

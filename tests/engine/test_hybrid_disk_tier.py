@@ -11,10 +11,14 @@ import pytest
 import torch
 
 from kvsplice.cache.disk_tier import DiskTierConfig
+from kvsplice.cache.kv_pool import KVPool
+from kvsplice.cache.state_pool import StatePool
 from kvsplice.cache.tier_format import PREFIX, EntryKey, TierEntry, namespace_name, parse_header
 from kvsplice.config import EngineConfig
+from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.llm import build_engine
-from kvsplice.engine.request import Namespace
+from kvsplice.engine.request import Namespace, Req
+from kvsplice.layer_configs import LinearAttnConfig
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
@@ -200,3 +204,26 @@ def test_a_restart_on_the_same_directory_resumes_the_next_turn(model_dir, tmp_pa
     assert hit[3].reuse.disk_tokens == kv_len and hit[3].state_reuse.checkpoint_depth == kv_len
     assert_same(hit, cold(model_dir, next_turn))
     restarted.close()
+
+
+def test_admission_never_drops_the_checkpoint_it_resumes_from():
+    """With no state slot free, making room for a request's working state may drop the tree's
+    least useful checkpoint, but never the one the request is to copy (a loaded one may be the
+    only one): the request waits instead of resuming from zeros."""
+    lin = LinearAttnConfig("qwen3_5", conv_kernel=4, num_k_heads=2, num_v_heads=4, k_head_dim=8, v_head_dim=6)
+    pool, states = KVPool(32, 1, 2, 4), StatePool(2, 1, lin)
+    cache = CacheManager(pool, states=states)
+    prompt = list(range(10))
+    cache.radix.insert(prompt, pool.allocator.alloc(10), NAMESPACE)
+    saved = states.alloc_one()
+    states.rec[:, saved].fill_(1.0)
+    cache.radix.set_checkpoint(cache.radix.match_prefix(prompt, NAMESPACE).node, saved)
+    busy = states.alloc_one()                     # another request's working state: none free
+    req = Req("r", prompt + [10, 11], SamplingParams(max_tokens=1))
+    match = cache.match(req)
+    assert match.length == 10
+    assert not cache.admit_state(req, match)
+    assert cache.radix.num_checkpoints() == 1 and req.state_slot is None
+    states.free([busy])
+    assert cache.admit_state(req, match)
+    assert torch.equal(states.rec[:, req.state_slot], states.rec[:, saved])
