@@ -329,16 +329,22 @@ class CacheManager:
 
     def plan_tier_reads(self, req: Req, session_key: EntryKey | None = None) -> ReadPlan | None:
         """What the reader thread should read for `req` (`kvsplice.engine.tier_reads`): the tier's
-        entries continuing its prompt beyond what the radix tree holds now, and `session_key` (a
-        named session to restore); None when there is nothing to read. Index look-ups only."""
+        entries continuing its prompt beyond what the radix tree holds now (on a hybrid, beyond
+        its deepest checkpoint there: a stored state deeper than that is worth a read even where
+        the tree holds the K/V), and `session_key` (a named session to restore); None when there
+        is nothing to read. Index look-ups only."""
         if self.tier is None or req.wants_prompt_logprobs:
             return None
         ids = req.seq_ids[: req.seq_len - 1]
-        length = self.radix.match_prefix(ids, req.namespace).length
+        cached = self.radix.match_prefix(ids, req.namespace)
+        start = cached.length if self.states is None else self.radix.deepest_checkpoint(cached.node)[1]
         name = namespace_name(req.namespace)
-        if session_key is None and not self.tier.match_prefix(name, ids, start_pos=length).keys:
+        found = self.tier.match_prefix(name, ids, start_pos=start)
+        states_beyond = self.states is not None and any(
+            self.tier.has_states(key) for key, end in zip(found.keys, found.ends) if end > start)
+        if session_key is None and found.length <= cached.length and not states_beyond:
             return None
-        return ReadPlan(name, tuple(ids), length, session_key, req.session_id)
+        return ReadPlan(name, tuple(ids), start, session_key, req.session_id)
 
     def _load_from_tier(self, req: Req, ids: Sequence[int], match: PrefixMatch) -> PrefixMatch:
         """`match` extended by the entries the reader thread read for `req` (`extend_from_entries`).
@@ -361,20 +367,23 @@ class CacheManager:
             then     radix.insert(ids[:covered_end], match.slots + fresh): the tree owns them
                      (any it had already are freed: none, the path is locked), radix unlocked
 
-        On a hybrid, each copied entry's state checkpoint (the state after its end) becomes the
-        checkpoint of the radix node ending there (`_load_checkpoint`); a match is then cut back
-        to the deepest checkpoint as usual, so K/V loaded without a state beyond it is prefilled.
+        On a hybrid, each entry's state checkpoint (the state after its end) becomes the checkpoint
+        of the radix node ending there (`_load_checkpoint`), also for an entry whose K/V the tree
+        holds already (a checkpoint the tree thinned away comes back); a match is then cut back to
+        the deepest checkpoint as for any hit, so K/V loaded without a state beyond it is prefilled.
         """
-        pieces, covered = [], match.length
+        pieces, held, covered = [], [], match.length
         for entry in entries:
             if entry.end_pos <= covered:
+                held += [entry] if self.states is not None and _tokens_equal(entry, ids) else []
                 continue
             if entry.start_pos > covered or not _tokens_equal(entry, ids):
                 break
             pieces.append((entry, covered, entry.end_pos))
             covered = entry.end_pos
+        restored = sum(self._load_checkpoint(ids, namespace, entry) for entry in held)
         if not pieces:
-            return match
+            return self.radix.match_prefix(ids, namespace) if restored else match
         self.radix.lock(match.node)   # the room made for the loaded K/V must not evict the match
         slots = self.alloc(covered - match.length)
         if slots is None:

@@ -147,6 +147,25 @@ def test_a_spilled_leaf_takes_its_checkpoint_to_the_tier(model_dir, tmp_path):
     engine.close()
 
 
+def test_a_checkpoint_the_tree_thinned_comes_back_from_the_tier(model_dir, tmp_path):
+    """The pool still holds the prompt's K/V but no longer its checkpoint at 128: the tier's entry
+    ending there brings the state back (nothing but the state is read into the pool)."""
+    engine = tiered(model_dir, tmp_path / "tier", num_slots=4096)
+    prompt = ids(PROMPT, 11)
+    run(engine, prompt)
+    engine.cache.tier.wait_writes()
+    radix = engine.cache.radix
+    radix.drop_checkpoint(radix.match_prefix(prompt[:128], NAMESPACE).node)
+    assert radix.deepest_checkpoint(radix.match_prefix(prompt[:PROMPT - 1], NAMESPACE).node)[1] == 64
+    hit = run(engine, prompt)
+    state, reuse = hit[3].state_reuse, hit[3].reuse
+    assert (state.radix_match, state.checkpoint_depth) == (PROMPT - 1, 128)
+    assert reuse.prefix_tokens == 128 and reuse.disk_tokens == 0      # the K/V came from the pool
+    assert engine.cache.tier.stats().hits >= 1
+    assert_same(hit, cold(model_dir, prompt))
+    engine.close()
+
+
 def test_a_corrupted_state_is_recomputed_with_the_cold_output(model_dir, tmp_path):
     engine = tiered(model_dir, tmp_path / "tier")
     prompt = ids(PROMPT, 5)
