@@ -39,6 +39,26 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
         assert loaded.states[name].dtype == tensor.dtype and torch.equal(loaded.states[name], tensor)
 
 
+def test_a_stored_entry_without_states_is_replaced_by_one_with_them(tmp_path):
+    """An exact entry stored without a checkpoint (written before its state existed) is written
+    again when the same run comes with one; one with a checkpoint is never replaced by one without."""
+    states = {"conv": torch.randn(3, 5), "rec": torch.randn(2, 2, 2)}
+    with open_tier(tmp_path) as tier:
+        assert tier.put(prefix_entry("ns", TOKENS, start_pos=4))
+        tier.wait_writes()
+        key = EntryKey.for_prefix("ns", TOKENS)
+        assert tier.contains(key) and not tier.has_states(key)
+        assert tier.put(prefix_entry("ns", TOKENS, start_pos=8, states=states))
+        tier.wait_writes()
+        assert tier.has_states(key) and tier.stats().writes == 2 and tier.stats().entries == 1
+        assert tier.put(prefix_entry("ns", TOKENS, start_pos=8))          # nothing to write
+        tier.wait_writes()
+        assert tier.has_states(key) and tier.stats().writes == 2
+        loaded = tier.get(key, token_ids=TOKENS)
+    assert loaded.start_pos == 8 and torch.equal(loaded.states["rec"], states["rec"])
+    assert len(entry_files(tmp_path)) == 1
+
+
 def test_prefetch_then_get(tmp_path):
     entry = prefix_entry("ns", TOKENS)
     with open_tier(tmp_path) as tier:

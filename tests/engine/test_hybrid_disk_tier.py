@@ -206,6 +206,20 @@ def test_entries_without_their_states_load_no_resume_point(model_dir, tmp_path):
     engine.close()
 
 
+def test_another_namespace_never_loads_a_hybrid_entry(model_dir, tmp_path):
+    engine = tiered(model_dir, tmp_path / "tier")
+    prompt = ids(PROMPT, 13)
+    run(engine, prompt, cache_salt="alice")
+    evict_with_others(engine, seeds=(113, 114))
+    bob = run(engine, prompt, cache_salt="bob")
+    assert bob[3].reuse.disk_tokens == 0 and bob[3].reuse.prefix_tokens == 0
+    evict_with_others(engine, seeds=(115, 116))
+    alice = run(engine, prompt, cache_salt="alice")
+    assert alice[3].reuse.disk_tokens == 128
+    assert alice[0] == bob[0]
+    engine.close()
+
+
 @pytest.mark.parametrize("reuse", [NO_SCR, SCR], ids=["prefix", "scr"])
 def test_a_restart_on_the_same_directory_resumes_the_next_turn(model_dir, tmp_path, reuse):
     """After a restart the next turn (previous prompt + reply + more) resumes from the state at
