@@ -18,6 +18,8 @@ A slot of a real hybrid is large: `state_slot_bytes` (about 147 MiB for a Qwen3.
 A slot leaves the pool as named tensors (`snapshot`: {"conv": [layers, conv_dim, K-1],
 "rec": [layers, Hv, Dk, Dv]}, fresh copies) and comes back through `restore`, which takes them only
 when their names, shapes and dtypes are this pool's: the disk tier stores a checkpoint that way.
+Several states (an SCR session's, by sequence length) travel as one flat dict (`pack_states`:
+"<length>.conv", "<length>.rec"; `unpack_states` undoes it).
 """
 
 from __future__ import annotations
@@ -99,3 +101,20 @@ def state_slot_bytes(num_linear_layers: int, lin: LinearAttnConfig, dtype: torch
     conv = lin.conv_dim * (lin.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
     rec = lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * 4
     return num_linear_layers * (conv + rec)
+
+
+def pack_states(snapshots: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Snapshots by sequence length as one flat dict of tensors named "<length>.<name>"."""
+    return {f"{length}.{name}": tensor for length, snapshot in snapshots.items() for name, tensor in snapshot.items()}
+
+
+def unpack_states(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """`pack_states` undone: {sequence length: snapshot}. Raises ValueError on a name that is not
+    "<positive length>.<name>"."""
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+    for full_name, tensor in tensors.items():
+        length, _, name = full_name.partition(".")
+        if not length.isdigit() or int(length) <= 0 or not name:
+            raise ValueError(f"not a packed state name: {full_name!r}")
+        snapshots.setdefault(int(length), {})[name] = tensor
+    return snapshots

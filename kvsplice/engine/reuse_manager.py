@@ -29,10 +29,8 @@ its last completion's when all is exact) into the tier (an approximate entry onl
 after every turn, and when it is dropped for room if the tier holds none of it; a request naming a
 session that is gone (dropped, or lost with a restart) restores it before matching
 (`_restore_session`) from what the reader thread read of it while the request was queued
-(`start_tier_reads`, `kvsplice.engine.tier_reads`).
-On a hybrid model sessions are not written (their relocation would need the linear layers' states
-of the private part too): a named session that is gone comes back through the prefix path, from
-the tier's exact entries and the state checkpoints they carry.
+(`start_tier_reads`, `kvsplice.engine.tier_reads`). On a hybrid the entry carries the session's
+states after its split too (the state at its end always), and they come back with it.
 
 Selective recompute (attention-only models; see kvsplice.reuse.recompute): after relocation the
 first `seam_tokens` of every span and the message openings inside the edited spans are added to the
@@ -66,6 +64,7 @@ import torch
 
 from kvsplice.cache.checkpoint_policy import least_useful, sequence_candidates
 from kvsplice.cache.disk_tier import kv_from_pool, kv_into_pool
+from kvsplice.cache.state_pool import pack_states, unpack_states
 from kvsplice.cache.tier_format import EntryKey, TierEntry, namespace_name
 from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
@@ -612,10 +611,14 @@ class ReuseManager:
             session.token_ids  [ exact part (radix / tier exact entries) ][ private K/V      ]
             all exact          [ ... exact, cut at prompt_len ...        ][ completion's K/V ]
             entry              token ids [0, split + n), start_pos = split, kv of the n after it
+
+        On a hybrid the entry also carries the session's states after the split (`_session_states`;
+        its own approximate ones and the exact checkpoints of its radix path there), and is not
+        written without the state at its end (a relocation from it would have no state to resume).
         """
         kv, tier = session.payload, self.cache.tier
-        if tier is None or not session.named or kv is None or self.cache.states is not None:
-            return          # a hybrid's session would need its states too: its exact entries carry them
+        if tier is None or not session.named or kv is None:
+            return
         split, slots = int(kv.exact_slots.numel()), kv.private_slots
         if not slots.numel():
             if not 0 < session.prompt_len < split:
@@ -624,16 +627,58 @@ class ReuseManager:
         key = EntryKey.for_session(namespace_name(session.namespace), session.session_id)
         if not replace and tier.contains(key):
             return
-        ids = torch.tensor(session.token_ids[: split + int(slots.numel())], dtype=torch.int64)
-        tier.put(TierEntry(key, ids, split, kv_from_pool(self.cache.pool, slots), exact=False,
+        end = split + int(slots.numel())
+        states = self._session_states(kv, split, end)
+        if states is None:
+            return
+        ids = torch.tensor(session.token_ids[:end], dtype=torch.int64)
+        tier.put(TierEntry(key, ids, split, kv_from_pool(self.cache.pool, slots), states, exact=False,
                            session_id=session.session_id))
+
+    def _session_states(self, kv: SessionKV, split: int, end: int) -> dict[str, torch.Tensor] | None:
+        """A hybrid session's states at lengths in (split, end] as the tensors of its tier entry
+        (`state_pool.pack_states`, copies): its own and those on its locked radix path. {} on a
+        model without states; None when the state at `end` is not among them."""
+        if self.cache.states is None:
+            return {}
+        held = {**self.cache.radix.path_checkpoints(kv.exact_node), **kv.states}
+        held = {length: slot for length, slot in held.items() if split < length <= end}
+        if end not in held:
+            return None
+        return pack_states({length: self.cache.states.snapshot(slot) for length, slot in held.items()})
+
+    def _load_session_states(self, entry: TierEntry) -> dict[int, int] | None:
+        """The states a hybrid session's tier entry carries, each in a fresh state slot, {length:
+        slot}; {} on a model without states. None, holding nothing, when they are malformed, of
+        another layout, lack the state at the entry's end, or no state slot can be had."""
+        states = self.cache.states
+        if states is None:
+            return {}
+        try:
+            snapshots = unpack_states(entry.states)
+        except ValueError:
+            return None
+        if entry.end_pos not in snapshots or not all(
+                entry.start_pos < length <= entry.end_pos and states.fits(snapshot)
+                for length, snapshot in snapshots.items()):
+            return None
+        loaded: dict[int, int] = {}
+        for length, snapshot in sorted(snapshots.items()):
+            slot = self.cache.alloc_state()
+            if slot is None:
+                states.free(list(loaded.values()))
+                return None
+            states.restore(slot, snapshot)
+            loaded[length] = slot
+        return loaded
 
     def _restore_session(self, req: Req) -> None:
         """Bring back the session `req` names from what the reader thread read of it from the disk
         tier (`start_tier_reads`), if its exact part can be had whole (radix tree, then the tier's
         exact entries read with it): its private K/V gets fresh slots, and the session is tracked
-        again (then verified as any named session). The prompt / completion split is not stored:
-        the whole sequence counts as its prompt."""
+        again (then verified as any named session). On a hybrid its states come back too, each in
+        a state slot of its own (`_load_session_states`), or the session is not restored. The
+        prompt / completion split is not stored: the whole sequence counts as its prompt."""
         reads = self.cache.reads
         result = reads.result(req.rid) if reads is not None else None
         if result is None or result.session is None:
@@ -657,9 +702,14 @@ class ReuseManager:
         if private is None:
             self.cache.radix.unlock(match.node)
             return
+        session_states = self._load_session_states(entry)
+        if session_states is None:
+            self.cache.allocator.free(private)
+            self.cache.radix.unlock(match.node)
+            return
         kv_into_pool(self.cache.pool, private, entry.kv)
         session = self.sessions.create(namespace, session_id)
-        session.payload = SessionKV(match.node, match.slots, private)
+        session.payload = SessionKV(match.node, match.slots, private, session_states)
         self.sessions.update(session, ids, private_tokens=int(private.numel()))
         self.sessions_restored += 1
 

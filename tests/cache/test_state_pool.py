@@ -8,7 +8,7 @@ import torch
 
 from kvsplice.cache.kv_pool import SlotAllocator
 from kvsplice.cache.radix import RadixCache
-from kvsplice.cache.state_pool import StatePool
+from kvsplice.cache.state_pool import StatePool, pack_states, unpack_states
 from kvsplice.layer_configs import LinearAttnConfig
 
 LIN = LinearAttnConfig("qwen3_5", conv_kernel=4, num_k_heads=2, num_v_heads=4, k_head_dim=8, v_head_dim=6)
@@ -51,6 +51,18 @@ def test_snapshot_and_restore_round_trip_and_refuse_another_layout():
     assert not pool.fits({**saved, "rec": saved["rec"].to(torch.float64)})
     with pytest.raises(ValueError):
         other.restore(0, saved)
+
+
+def test_packed_states_unpack_by_length():
+    pool = StatePool(3, 2, LIN)
+    snapshots = {12: pool.snapshot(0), 40: pool.snapshot(1)}
+    packed = pack_states(snapshots)
+    assert sorted(packed) == ["12.conv", "12.rec", "40.conv", "40.rec"]
+    unpacked = unpack_states(packed)
+    assert sorted(unpacked) == [12, 40] and all(pool.fits(snapshot) for snapshot in unpacked.values())
+    for bad in ("conv", "0.conv", "x.rec", "12."):
+        with pytest.raises(ValueError):
+            unpack_states({bad: torch.zeros(1)})
 
 
 def test_an_evicted_leaf_is_handed_over_with_its_checkpoint():

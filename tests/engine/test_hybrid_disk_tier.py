@@ -5,6 +5,7 @@ fp32; an entry whose state is corrupt or missing costs a prefill, never a token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -220,21 +221,67 @@ def test_another_namespace_never_loads_a_hybrid_entry(model_dir, tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("reuse", [NO_SCR, SCR], ids=["prefix", "scr"])
-def test_a_restart_on_the_same_directory_resumes_the_next_turn(model_dir, tmp_path, reuse):
+def test_a_restart_on_the_same_directory_resumes_the_next_turn(model_dir, tmp_path):
     """After a restart the next turn (previous prompt + reply + more) resumes from the state at
-    the previous request's end, read from the tier; with SCR on, the session is new (hybrid
-    sessions are not written) and the prefix path serves it."""
+    the previous request's end, read from the tier."""
     prompt = ids(PROMPT, 9)
-    first = tiered(model_dir, tmp_path / "tier", reuse=reuse, num_slots=4096)
-    tokens = run(first, prompt, session_id="chat-1")[0]
+    first = tiered(model_dir, tmp_path / "tier", num_slots=4096)
+    tokens = run(first, prompt)[0]
     first.close()
-    restarted = tiered(model_dir, tmp_path / "tier", reuse=reuse, num_slots=4096)
+    restarted = tiered(model_dir, tmp_path / "tier", num_slots=4096)
     assert restarted.cache.tier.stats().entries == 4
     next_turn = prompt + tokens + ids(20, 10)
-    hit = run(restarted, next_turn, session_id="chat-1")
+    hit = run(restarted, next_turn)
     kv_len = PROMPT + MAX_TOKENS - 1
     assert hit[3].reuse.disk_tokens == kv_len and hit[3].state_reuse.checkpoint_depth == kv_len
+    assert_same(hit, cold(model_dir, next_turn))
+    restarted.close()
+
+
+def test_a_named_hybrid_session_comes_back_after_a_restart_and_relocates(model_dir, tmp_path):
+    """A session named by its client is written with its states after the split (here the state
+    at its end); after a restart its next turn, with a message removed, restores it from the tier
+    and relocates from it exactly as an engine that never restarted does."""
+    prompt = ids(PROMPT, 17)
+    first = tiered(model_dir, tmp_path / "tier", reuse=SCR, num_slots=4096)
+    tokens = run(first, prompt, session_id="chat-1")[0]
+    first.close()
+    edited = prompt[:70] + prompt[90:] + tokens + ids(20, 18)    # tokens 70..89 removed
+    restarted = tiered(model_dir, tmp_path / "tier", reuse=SCR, num_slots=4096)
+    assert restarted.cache.tier.stats().entries == 5               # 4 exact + the session's
+    hit = run(restarted, edited, session_id="chat-1")
+    assert restarted.reuse.sessions_restored == 1
+    assert hit[3].reuse.session == "matched" and hit[3].reuse.relocated_tokens > 0
+    assert hit[3].reuse.disk_tokens == 64 and hit[3].state_reuse.loaded_from
+    restarted.close()
+    control = tiered(model_dir, tmp_path / "control", reuse=SCR, num_slots=4096)
+    run(control, prompt, session_id="chat-1")
+    kept = run(control, edited, session_id="chat-1")
+    assert kept[3].reuse == dataclasses.replace(hit[3].reuse, disk_tokens=0)     # the same plan
+    assert hit[3].state_reuse.loaded_from == kept[3].state_reuse.loaded_from
+    assert_same(hit, kept, atol=0.0)
+    control.close()
+
+
+def test_a_hybrid_session_entry_without_its_end_state_is_not_restored(model_dir, tmp_path):
+    """A session entry whose states lack the one at its end cannot be resumed from: the session
+    is not restored and the next turn goes the exact prefix path."""
+    prompt = ids(PROMPT, 19)
+    first = tiered(model_dir, tmp_path / "tier", reuse=SCR, num_slots=4096)
+    tokens = run(first, prompt, session_id="chat-1")[0]
+    tier = first.cache.tier
+    tier.wait_writes()
+    key = EntryKey.for_session(namespace_name(NAMESPACE), "chat-1")
+    entry = tier.get(key, session_id="chat-1")
+    assert entry is not None and sorted(entry.states) == [f"{PROMPT + MAX_TOKENS - 1}.{n}" for n in ("conv", "rec")]
+    assert tier.put(TierEntry(key, entry.token_ids.clone(), entry.start_pos, entry.kv.clone(), exact=False,
+                              session_id="chat-1"))               # replaces it
+    first.close()
+    restarted = tiered(model_dir, tmp_path / "tier", reuse=SCR, num_slots=4096)
+    next_turn = prompt + tokens + ids(20, 20)
+    hit = run(restarted, next_turn, session_id="chat-1")
+    assert restarted.reuse.sessions_restored == 0 and hit[3].reuse.session == "new"
+    assert hit[3].reuse.disk_tokens == PROMPT + MAX_TOKENS - 1       # the exact entries serve it
     assert_same(hit, cold(model_dir, next_turn))
     restarted.close()
 
