@@ -307,14 +307,21 @@ class CacheManager:
 
     def _write_through(self, namespace: Hashable, ids: Sequence[int], slots: torch.Tensor, prompt_len: int,
                        states: dict[int, int]) -> None:
-        """A finished request's exact K/V (`ids`, in `slots`; on a hybrid its exact `states`, by
-        sequence length) into the tier as well as the radix tree, so that a SIGKILL loses no more
-        than the turns in flight: the pieces of the spill's cuts the tier does not hold yet (an
-        earlier turn's are skipped by key, with no copy), with one more cut at the prompt's end.
-        The next turn of a chat resends this prompt but not the reply's exact tokens (a client
-        re-renders it), so that cut is where it diverges."""
-        if len(ids):
-            self._put_run(namespace, ids, 0, slots, states, also_cut_at=prompt_len)
+        """A finished request's exact K/V (`ids`, in `slots`, just inserted into the radix tree; on
+        a hybrid its exact `states`, by sequence length) into the tier as well, so that a SIGKILL
+        loses no more than the turns in flight: the pieces of the spill's cuts the tier does not
+        hold yet (an earlier turn's are skipped by key, with no copy), with one more cut at the
+        prompt's end. The next turn of a chat resends this prompt but not the reply's exact tokens
+        (a client re-renders it), so that cut is where it diverges. On a hybrid the checkpoints the
+        tree holds on the path (an earlier turn's, which this request resumed after) are cut at
+        too: an entry running across one would shadow, in a chain, the stored entry ending there
+        with its state."""
+        if not len(ids):
+            return
+        if self.states is not None:
+            path = self.radix.path_checkpoints(self.radix.match_prefix(ids, namespace).node)
+            states = {**path, **states}
+        self._put_run(namespace, ids, 0, slots, states, also_cut_at=prompt_len)
 
     def _exact_states(self, req: Req, exact_len: int) -> dict[int, int]:
         """`req`'s states at lengths 0 < p <= exact_len, {p: state slot} (its filled checkpoints

@@ -263,6 +263,37 @@ def test_a_named_hybrid_session_comes_back_after_a_restart_and_relocates(model_d
     control.close()
 
 
+def test_a_relocated_hybrid_session_comes_back_with_its_own_states(model_dir, tmp_path):
+    """A session whose last turn relocated holds private K/V and approximate states of its own:
+    both go to its entry, and after a restart the next turn equals that of an engine that kept it."""
+    prompt = ids(PROMPT, 21)
+    turns = []
+
+    def conversation(engine):
+        tokens = run(engine, prompt, session_id="chat-2")[0]
+        turn2 = prompt[:70] + prompt[90:] + tokens + ids(12, 22)
+        reply = run(engine, turn2, session_id="chat-2")
+        assert reply[3].reuse.relocated_tokens > 0
+        turns.append(turn2 + reply[0] + ids(15, 23))
+
+    kept_engine = tiered(model_dir, tmp_path / "control", reuse=SCR, num_slots=4096)
+    conversation(kept_engine)
+    [session] = kept_engine.reuse.sessions.sessions()
+    assert session.payload.states and session.payload.private_slots.numel()
+    kept = run(kept_engine, turns[0], session_id="chat-2")
+    kept_engine.close()
+    first = tiered(model_dir, tmp_path / "tier", reuse=SCR, num_slots=4096)
+    conversation(first)
+    first.close()
+    restarted = tiered(model_dir, tmp_path / "tier", reuse=SCR, num_slots=4096)
+    hit = run(restarted, turns[1], session_id="chat-2")
+    assert restarted.reuse.sessions_restored == 1 and hit[3].reuse.session == "matched"
+    assert kept[3].reuse == dataclasses.replace(hit[3].reuse, disk_tokens=kept[3].reuse.disk_tokens)
+    assert hit[3].state_reuse == kept[3].state_reuse
+    assert_same(hit, kept, atol=0.0)
+    restarted.close()
+
+
 def test_a_hybrid_session_entry_without_its_end_state_is_not_restored(model_dir, tmp_path):
     """A session entry whose states lack the one at its end cannot be resumed from: the session
     is not restored and the next turn goes the exact prefix path."""
