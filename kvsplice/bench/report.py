@@ -74,6 +74,8 @@ class Row:
     ttft_s: Optional[float]
     session: Optional[str] = None   # kvsplice's usage.reuse.session: "new", "matched", "off"
     fallback: Optional[str] = None  # kvsplice's usage.reuse.fallback: why SCR did not relocate
+    disk: int = 0                   # usage.reuse.disk_tokens: of prefix, loaded from the disk tier
+    window_relocated: int = 0       # usage.reuse.window_relocated: of relocated, moved in sliding layers too
 
     @property
     def where(self) -> str:
@@ -125,6 +127,9 @@ def _reuse_fields(reuse: dict[str, Any], where: str) -> dict[str, Any]:
         "saved_flops": _number(reuse, "saved_flops", where, optional=True),
         "session": _label(reuse, "session", where),
         "fallback": _label(reuse, "fallback", where),
+        "disk": _count(reuse, "disk_tokens", where) if reuse.get("disk_tokens") is not None else 0,
+        "window_relocated": (_count(reuse, "window_relocated", where)
+                             if reuse.get("window_relocated") is not None else 0),
     }
 
 
@@ -257,6 +262,8 @@ class TokenTotals:
     prefix: int = 0
     relocated: int = 0
     prefilled: int = 0
+    disk: int = 0               # of prefix: loaded from the disk tier
+    window_relocated: int = 0   # of relocated: moved in sliding-window layers too
 
     def share(self, part: str) -> float:
         """getattr(self, part) / prompt (0.0 when there are no prompt tokens)."""
@@ -265,7 +272,8 @@ class TokenTotals:
 
 def _totals(rows: list[Row] | tuple[Row, ...]) -> TokenTotals:
     return TokenTotals(requests=len(rows), prompt=sum(r.prompt for r in rows), prefix=sum(r.prefix for r in rows),
-                       relocated=sum(r.relocated for r in rows), prefilled=sum(r.prefilled for r in rows))
+                       relocated=sum(r.relocated for r in rows), prefilled=sum(r.prefilled for r in rows),
+                       disk=sum(r.disk for r in rows), window_relocated=sum(r.window_relocated for r in rows))
 
 
 class Percentiles(NamedTuple):
@@ -459,6 +467,21 @@ def _token_table(reports: list[Report]) -> list[str]:
     return lines
 
 
+def _tier_window_table(reports: list[Report]) -> list[str]:
+    """Where the reused K/V came from beyond the pool: prefix tokens loaded from the disk tier, and
+    relocated tokens moved in the sliding-window layers too (the full layers move them all)."""
+    lines = ["| turns | run | prefix | from the disk tier | relocated | moved in sliding layers too |",
+             "|---|---|---:|---:|---:|---:|"]
+    for scope in ("all", "edited"):
+        for report in reports:
+            totals = report.all_turns if scope == "all" else report.edited_turns
+            disk = f"{totals.disk} ({100 * totals.disk / totals.prefix if totals.prefix else 0:.1f}%)"
+            window = (f"{totals.window_relocated} "
+                      f"({100 * totals.window_relocated / totals.relocated if totals.relocated else 0:.1f}%)")
+            lines.append(f"| {scope} | {report.label} | {totals.prefix} | {disk} | {totals.relocated} | {window} |")
+    return lines
+
+
 def _breakdown_table(reports: list[Report]) -> list[str]:
     lines = ["| run | rows | prefilled | " + " | ".join(BREAKDOWN_FIELDS) + " |",
              "|---|---:|---:|" + "---:|" * len(BREAKDOWN_FIELDS)]
@@ -532,6 +555,8 @@ def format_report(report: Report) -> str:
                      f"{r.n_without_usage} without usage, {r.n_conversations} conversations; "
                      f"edited turns: {r.edited_rule}; settings: {json.dumps(settings)}")
     lines += ["", "## Prompt tokens by compute type", ""] + _token_table(reports)
+    if any(r.all_turns.disk or r.all_turns.window_relocated for r in reports):
+        lines += ["", "## Disk tier and sliding-window layers", ""] + _tier_window_table(reports)
     lines += ["", "## Prefilled tokens breakdown", ""] + _breakdown_table(reports)
     lines += ["", "## SCR sessions and fallback reasons", ""] + _sessions_table(reports)
     for r in reports:

@@ -87,6 +87,8 @@ class EngineCounters:
     prefilled_tokens: int = 0
     relocated_spans: int = 0
     disk_tokens: int = 0
+    window_relocated: int = 0
+    window_recomputed: int = 0
     preemptions: int = 0
     forward_steps: int = 0
 
@@ -448,6 +450,8 @@ class Engine:
         c.prefilled_tokens += stats.prefilled_tokens
         c.relocated_spans += stats.relocated_spans
         c.disk_tokens += stats.disk_tokens
+        c.window_relocated += stats.window_relocated
+        c.window_recomputed += stats.window_recomputed
 
     def _finish(self, req: Req, reason: str) -> None:
         """`req` ends ("stop", "length", "abort" or "error"): its slots go back (into the radix

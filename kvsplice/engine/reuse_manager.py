@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 
@@ -87,6 +87,14 @@ logger = logging.getLogger(__name__)
 
 # A content match keeping less than this share of the session's sequence forks (see _attach_session).
 FORK_BELOW_COVERAGE = 0.5
+
+
+class WindowMoves(NamedTuple):
+    """What `_relocate_windows` did in a windowed pool's sliding layers: offsets it added to the
+    computed ones (their old window was gone) and offsets whose K/V it relocated there."""
+
+    recomputed: int
+    relocated: int
 
 
 @dataclass
@@ -312,7 +320,8 @@ class ReuseManager:
         req.pending = [o for start, end in result.plan.computed_ranges for o in range(start, end)]
         scr.plan = result.plan
         recomputed = self._plan_recompute(req, scr)
-        recomputed += self._relocate_windows(req, scr, kv.slots())
+        windows = self._relocate_windows(req, scr, kv.slots())
+        recomputed += windows.recomputed
         if self.cache.states is not None:
             # the session's own (approximate) states, and the exact checkpoints on its locked radix
             # path (its previous sequence's exact states, and those of earlier turns still kept)
@@ -325,6 +334,8 @@ class ReuseManager:
                                                     prefix_len=match.length, session="matched")
             if recomputed:
                 req.reuse = req.reuse.with_recompute(recomputed)
+            req.reuse = dataclasses.replace(req.reuse, window_relocated=windows.relocated,
+                                            window_recomputed=windows.recomputed)
         return True
 
     # ----- selective recompute ----------------------------------------------------------
@@ -411,7 +422,7 @@ class ReuseManager:
             relocate(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
                      req.seq_slots[keep.dst_pos: keep.dst_end], keep, rotary)
 
-    def _relocate_windows(self, req: Req, scr: ScrRequest, old_slots: torch.Tensor) -> int:
+    def _relocate_windows(self, req: Req, scr: ScrRequest, old_slots: torch.Tensor) -> WindowMoves:
         """A windowed pool (sliding-window layers, kvsplice.cache.window_pool): the sliding layers
         need K/V only inside the window of a computed token. Relocated offsets there whose source
         kept its window are relocated in those layers too; the others are computed instead, which
@@ -421,10 +432,11 @@ class ReuseManager:
             window of B'                     |<-- W -->|                        |<-W->|
             sliding K/V                      copied, or computed where the old one is gone
 
-        Returns how many offsets it added to those computed (0 without a windowed pool)."""
+        Returns how many offsets it added to those computed and how many it relocated in the sliding
+        layers (both 0 without a windowed pool)."""
         pool = self.cache.windows
         if pool is None or not scr.plan.keeps:
-            return 0
+            return WindowMoves(0, 0)
         length = len(req.prompt_ids)
         relocated = torch.zeros(length, dtype=torch.bool)
         src_slot = torch.zeros(length, dtype=torch.int64)
@@ -451,7 +463,7 @@ class ReuseManager:
                 raise RuntimeError("the window pool has no room for the relocated sliding-layer K/V")
             rotary = None if scr.cfg.no_rerotate else self.window_rotary
             pool.relocate_window(src_slot[offsets], dst, src_pos[offsets], offsets, rotary)
-        return len(added)
+        return WindowMoves(recomputed=len(added), relocated=int(offsets.numel()))
 
     @staticmethod
     def _in_a_window(candidates: torch.Tensor, computed: torch.Tensor, window: int) -> torch.Tensor:

@@ -9,6 +9,17 @@ Explicit counters replace the SCR overlay's inference from SGLang's double-count
 `recomputed` are relocated tokens that selective recompute computed again in every layer (they
 count as prefilled, not relocated). `disk_tokens` are the prefix tokens whose K/V was loaded from
 the disk tier (0 <= disk_tokens <= prefix_tokens).
+
+By layer type, on a model with sliding-window layers (Gemma 3, Mistral; a windowed pool): the
+full-attention layers relocate every relocated token, the sliding layers only those a computed
+token's window reads (`window_relocated`), and a relocated token whose old sliding K/V is gone from
+such a window is computed instead (`window_recomputed`, within `recomputed`):
+
+    relocated_tokens   [..........................................]   moved in full layers
+    window_relocated        [...W...]            [...W...]             moved in sliding layers too
+    computed                         [ B ]                [ D ]
+
+    0 <= window_relocated <= relocated_tokens,  0 <= window_recomputed <= recomputed
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ class ReuseStats:
     `relocated_spans` counts the spans whose K/V were copied, recomputed tokens or not.
     `session`: "new" (no earlier session), "matched", or "off" (SCR disabled for the request);
     `fallback`: why no relocation happened (a plan reason, or an engine failure), None if it did
-    or there was nothing to relocate. `recomputed`, `disk_tokens`: see the module docstring."""
+    or there was nothing to relocate. `recomputed`, `disk_tokens`, `window_relocated`,
+    `window_recomputed`: see the module docstring."""
 
     prefix_tokens: int
     relocated_tokens: int
@@ -50,6 +62,8 @@ class ReuseStats:
     prefill_flops: int = 0     # FLOPs of the tokens computed for this prompt (FlopsModel)
     saved_flops: int = 0       # FLOPs avoided against computing the whole prompt
     disk_tokens: int = 0       # of prefix_tokens: loaded from the disk tier
+    window_relocated: int = 0  # of relocated_tokens: moved in the sliding-window layers too
+    window_recomputed: int = 0  # of recomputed: computed because a sliding layer's old window was gone
 
     @classmethod
     def from_plan_result(cls, result: PlanResult, *, prompt_len: int, prefix_len: int,
@@ -88,6 +102,12 @@ class ReuseStats:
             raise AccountingError(f"negative reuse counter in {self}")
         if not 0 <= self.disk_tokens <= self.prefix_tokens:
             raise AccountingError(f"disk_tokens {self.disk_tokens} outside [0, prefix {self.prefix_tokens}]")
+        if not 0 <= self.window_relocated <= self.relocated_tokens:
+            raise AccountingError(f"window_relocated {self.window_relocated} outside [0, relocated "
+                                  f"{self.relocated_tokens}]")
+        if not 0 <= self.window_recomputed <= self.recomputed:
+            raise AccountingError(f"window_recomputed {self.window_recomputed} outside [0, recomputed "
+                                  f"{self.recomputed}]")
         if prompt_tokens != self.prefix_tokens + self.relocated_tokens + self.prefilled_tokens:
             raise AccountingError(
                 f"prompt_tokens {prompt_tokens} != prefix {self.prefix_tokens} + relocated "

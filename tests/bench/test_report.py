@@ -193,3 +193,19 @@ def test_sessions_and_fallback_reasons_are_counted_and_shown(tmp_path):
              "usage": {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}}
     foreign = build_report(load_run(_write_run(tmp_path / "vllm.jsonl", [other])))
     assert foreign.sessions["all"].session == {"unknown": 1} and foreign.sessions["all"].fallback == {"none": 1}
+
+
+def test_disk_tier_and_sliding_window_counts_are_summed_and_shown(tmp_path):
+    records = _good_records()
+    records[1]["usage"]["reuse"].update(disk_tokens=30, window_relocated=20)
+    records[2]["usage"]["reuse"].update(disk_tokens=150)
+    report = build_report(load_run(_write_run(tmp_path / "t.jsonl", records)))
+    assert report.problems == []
+    assert (report.all_turns.disk, report.all_turns.window_relocated) == (180, 20)
+    assert (report.edited_turns.disk, report.edited_turns.window_relocated) == (30, 20)
+    text = format_report(report)
+    assert "## Disk tier and sliding-window layers" in text
+    assert "| all | t | 220 | 180 (81.8%) | 150 | 20 (13.3%) |" in text
+    # a run without either counter has no such section
+    plain = format_report(build_report(load_run(_write_run(tmp_path / "p.jsonl", _good_records()))))
+    assert "Disk tier and sliding-window layers" not in plain

@@ -153,6 +153,11 @@ def test_scr_edit_on_a_sliding_model_stays_within_the_relocation_bound(tiny_path
     stats = out.reuse
     assert stats.session == "matched" and stats.relocated_tokens > 0
     stats.check(len(turn2))
+    # by layer type: the sliding layers moved only what a computed token's window reads (fewer than
+    # the full layers: 64 notes + 40 tail tokens are relocated, the windows are 8 wide)
+    assert 0 < stats.window_relocated < stats.relocated_tokens
+    assert llm.engine.counters.window_relocated == stats.window_relocated
+    assert llm.engine.counters.window_recomputed == stats.window_recomputed
     exact = _llm(tiny_path, prefix_cache=False).generate([turn2], params)[0]
     # the bound: the same edit with keys left unturned (the NO_REROTATE control) is further off
     control = _llm(tiny_path, reuse=SCR.replace(no_rerotate=True))

@@ -33,7 +33,20 @@ def test_as_dict_is_the_usage_reuse_object():
         "session": "matched", "fallback": None,
         "changed": 18, "span_tails": 32, "unchosen_spans": 0, "uncached_unchanged": 0,
         "recomputed": 0, "prefill_flops": 0, "saved_flops": 0, "disk_tokens": 0,
+        "window_relocated": 0, "window_recomputed": 0,
     }
+
+
+def test_check_bounds_the_layer_type_counters():
+    stats(window_relocated=400).check(550)
+    stats(relocated_tokens=384, prefilled_tokens=66, recomputed=16, window_relocated=100,
+          window_recomputed=16).check(550)
+    with pytest.raises(AccountingError, match="window_relocated"):
+        stats(window_relocated=401).check(550)
+    with pytest.raises(AccountingError, match="window_relocated"):
+        stats(window_relocated=-1).check(550)
+    with pytest.raises(AccountingError, match="window_recomputed"):
+        stats(window_recomputed=1).check(550)
 
 
 def test_from_plan_result_with_and_without_plan():
