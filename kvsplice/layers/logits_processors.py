@@ -39,7 +39,7 @@ class LogitsState:
     prompt_mask    [V] bool, tokens of the prompt; None without repetition penalty.
     bias_ids / bias_values  logit_bias as [K] int64 / [K] fp32.
     grammar        the request's grammar matcher, or None.
-    allowed        [V] bool, the tokens allowed_token_ids lets be sampled; None without it.
+    allowed        [K] int64, the tokens allowed_token_ids lets be sampled; None without it.
     """
 
     params: SamplingParams
@@ -74,7 +74,7 @@ class LogitsState:
         bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
         bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
         return cls(params, stop_ids, counts, prompt_mask, bias_ids, bias_values, grammar,
-                   _allowed_mask(params, stop_ids, vocab_size))
+                   _allowed_ids(params, stop_ids))
 
     def accept(self, token_id: int) -> None:
         """Record a sampled token. A token its grammar rejects should never have been sampled (it
@@ -96,17 +96,15 @@ def _check_in_vocab(name: str, token_ids: Sequence[int], vocab_size: int) -> Non
         raise ValueError(f"{name}: {named} outside the vocabulary [0, {vocab_size})")
 
 
-def _allowed_mask(params: SamplingParams, stop_ids: tuple[int, ...], vocab_size: int) -> Tensor | None:
-    """[V] bool of the tokens allowed_token_ids lets be sampled (None without it); ValueError when
-    min_tokens would mask every one of them (nothing could be sampled)."""
+def _allowed_ids(params: SamplingParams, stop_ids: tuple[int, ...]) -> Tensor | None:
+    """allowed_token_ids as [K] int64 (None without it); ValueError when min_tokens would mask every
+    one of them (nothing could be sampled)."""
     if params.allowed_token_ids is None:
         return None
     if params.min_tokens and set(params.allowed_token_ids) <= set(stop_ids):
         raise ValueError("allowed_token_ids: every allowed token is a stop token, which min_tokens forbids "
                          "for the first tokens: nothing could be sampled")
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[torch.tensor(params.allowed_token_ids, dtype=torch.int64)] = True
-    return mask
+    return torch.tensor(params.allowed_token_ids, dtype=torch.int64)
 
 
 def _rows(states: Sequence[LogitsState | None], wanted) -> list[int]:
@@ -135,8 +133,10 @@ def _apply_allowed(logits: Tensor, states: Sequence[LogitsState | None]) -> None
     rows = _rows(states, lambda s: s.allowed is not None)
     if not rows:
         return
-    allowed = torch.stack([states[row].allowed for row in rows]).to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    for position, row in enumerate(rows):
+        keep[position, states[row].allowed.to(logits.device)] = True
+    logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
 
 
 def _apply_min_tokens(logits: Tensor, states: Sequence[LogitsState | None]) -> None:
