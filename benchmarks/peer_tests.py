@@ -165,7 +165,8 @@ def run_pytest(files: tuple[PeerFile, ...], extra: list[str], url: str | None,
     results.unlink(missing_ok=True)
     env = dict(os.environ, KVSPLICE_PEER_TESTS="1", KVSPLICE_PEER_DESELECTED=str(deselected),
                KVSPLICE_PEER_RESULTS=str(results), KVSPLICE_PEER_LOG=str(RUNS / "server.log"),
-               PYTHONPATH=str(ROOT))
+               # the repository first; a PYTHONPATH already set (e.g. where the `peers` extra is installed) after it
+               PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     env.pop("KVSPLICE_PEER_URL", None)
     if url:
         env["KVSPLICE_PEER_URL"] = url
@@ -269,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     results, deselected, finished = run_pytest(prepared, args.pytest_args, args.url, args.time_limit_s)
     report(prepared, results, deselected, finished)
+    if not results.exists():    # pytest stopped before any test (a collection error: its stderr says which)
+        print("no test ran: pytest stopped before the first one (is the `peers` extra installed?)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -25,6 +25,8 @@ MAX_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 10.0
 # Entries of logit_bias (OpenAI sets no number; this bounds the per-request tensor work).
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Entries of logprob_token_ids (vLLM sets no number; this bounds each token's logprobs in the answer).
+MAX_LOGPROB_TOKEN_IDS = 1024
 # torch.Generator.manual_seed accepts exactly this range (int64 min .. uint64 max).
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -75,6 +77,23 @@ def _as_id_tuple(stop_token_ids: Iterable[int]) -> tuple[int, ...]:
         if not _is_int(item) or item < 0:
             raise ValueError(f"stop_token_ids: every entry must be an int >= 0, got {item!r}")
     return items
+
+
+def _as_token_set(name: str, token_ids: Iterable[int], limit: int | None = None) -> tuple[int, ...]:
+    """Normalise a list of token ids (`allowed_token_ids`, `logprob_token_ids`) to a tuple of distinct ids
+    in the order given; ValueError naming `name` for an entry that is not an int >= 0, an empty list,
+    or more than `limit` entries."""
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError(f"{name}: must be a list of token ids, got a string")
+    items = tuple(token_ids)
+    if not items:
+        raise ValueError(f"{name}: must not be empty (leave the field out instead)")
+    if limit is not None and len(items) > limit:
+        raise ValueError(f"{name}: at most {limit} token ids, got {len(items)}")
+    bad = [item for item in items if not _is_int(item) or item < 0]
+    if bad:
+        raise ValueError(f"{name}: entries must be token ids (ints >= 0), got {_listed(bad)}")
+    return tuple(dict.fromkeys(items))
 
 
 def _as_bias_tuple(logit_bias: Mapping | Iterable) -> tuple[tuple[int, float], ...]:
@@ -150,6 +169,9 @@ class SamplingParams:
                         when positive, multiplied when negative (CTRL / HF / vLLM); 1 = off.
       logit_bias        {token id: bias in [-100, 100]} added to the logits (stored as sorted pairs).
       min_tokens        EOS and stop_token_ids cannot be sampled before this many tokens (<= max_tokens).
+      allowed_token_ids only these token ids can be sampled (vLLM's); None = all. Distinct, non-empty.
+      logprob_token_ids the token ids whose logprobs are reported at each generated position, in place of
+                        the `logprobs` most likely ones (vLLM's); needs `logprobs`. None = the top ones.
       structured        a StructuredSpec the reply must match (grammar-constrained sampling), or None.
 
     The logits processing fields change the distribution tokens are sampled from; logprobs stay
@@ -178,6 +200,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     structured: StructuredSpec | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Validate every field and normalise `stop` / `stop_token_ids` to tuples."""
@@ -196,6 +220,7 @@ class SamplingParams:
         _check_optional_count("logprobs", self.logprobs)
         _check_optional_count("prompt_logprobs", self.prompt_logprobs)
         self._check_logits_processing()
+        self._check_token_lists()
         # Frozen dataclass: normalising in place needs object.__setattr__, allowed here only.
         object.__setattr__(self, "stop", _as_str_tuple(self.stop))
         object.__setattr__(self, "stop_regex", _as_pattern_tuple(self.stop_regex))
@@ -218,11 +243,26 @@ class SamplingParams:
             if self.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured outputs or a forced tool call")
 
+    def _check_token_lists(self) -> None:
+        """Normalise `allowed_token_ids` / `logprob_token_ids` (in place) and check what they combine with."""
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_token_set("allowed_token_ids", self.allowed_token_ids))
+            if self.structured is not None:   # the two masks could leave no token to sample
+                raise ValueError("allowed_token_ids cannot be combined with structured outputs or a forced tool call")
+        if self.logprob_token_ids is not None:
+            object.__setattr__(self, "logprob_token_ids", _as_token_set("logprob_token_ids", self.logprob_token_ids,
+                                                                        MAX_LOGPROB_TOKEN_IDS))
+            if self.logprobs is None:
+                raise ValueError("logprob_token_ids: needs logprobs (the named tokens' logprobs are reported "
+                                 "in place of the most likely ones)")
+
     @property
     def processes_logits(self) -> bool:
-        """True when logits are changed before sampling (penalties, bias, min_tokens, a grammar)."""
+        """True when logits are changed before sampling (penalties, bias, min_tokens, allowed_token_ids, a
+        grammar)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+                or self.allowed_token_ids is not None)
 
     @property
     def is_greedy(self) -> bool:

@@ -38,11 +38,32 @@ from kvsplice.sampling_params import SamplingParams
         ("stop_token_ids", [-1]),
         ("stop_token_ids", [1.5]),
         ("stop_token_ids", "12"),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [-1]),
+        ("allowed_token_ids", [1.5]),
+        ("allowed_token_ids", "12"),
     ],
 )
 def test_bad_value_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"logprob_token_ids": [5]},                                  # no logprobs to report them in
+    {"logprob_token_ids": [], "logprobs": 1},
+    {"logprob_token_ids": [True], "logprobs": 1},
+    {"logprob_token_ids": list(range(1025)), "logprobs": 1},
+])
+def test_bad_logprob_token_ids_name_the_field(kwargs):
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(**kwargs)
+
+
+def test_token_id_lists_are_distinct_tuples_in_order():
+    params = SamplingParams(allowed_token_ids=[9, 4, 9], logprob_token_ids=[7, 2, 7], logprobs=0)
+    assert params.allowed_token_ids == (9, 4) and params.logprob_token_ids == (7, 2)
+    assert params.processes_logits and not SamplingParams(logprob_token_ids=[1], logprobs=0).processes_logits
 
 
 @pytest.mark.parametrize(

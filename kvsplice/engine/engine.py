@@ -234,6 +234,9 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        named = [t for t in params.logprob_token_ids or () if t >= vocab]
+        if named:
+            raise ValueError(f"logprob_token_ids: token id {named[0]} is outside the vocabulary [0, {vocab})")
         limit = min(self.max_model_len, self.config.num_slots)
         if len(prompt_ids) + params.max_tokens > limit:
             raise ValueError(

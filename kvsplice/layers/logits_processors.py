@@ -5,6 +5,7 @@ own `LogitsState`), in this order (vLLM's: the grammar mask first, then the proc
 penalties; a masked token stays masked whatever follows):
 
     1. grammar      tokens the request's grammar does not allow next -> -inf (one bitmask for all rows)
+       allowed      tokens not in allowed_token_ids -> -inf (vLLM's whitelist; never beside a grammar)
     2. min_tokens   EOS and stop_token_ids -> -inf while fewer than min_tokens tokens were generated
     3. logit_bias   logit += bias for each listed token (OpenAI)
     4. repetition   tokens seen in the prompt or the output: logit / p if logit > 0 else logit * p
@@ -38,6 +39,7 @@ class LogitsState:
     prompt_mask    [V] bool, tokens of the prompt; None without repetition penalty.
     bias_ids / bias_values  logit_bias as [K] int64 / [K] fp32.
     grammar        the request's grammar matcher, or None.
+    allowed        [K] int64, the tokens allowed_token_ids lets be sampled; None without it.
     """
 
     params: SamplingParams
@@ -47,21 +49,20 @@ class LogitsState:
     bias_ids: Tensor
     bias_values: Tensor
     grammar: GrammarState | None
+    allowed: Tensor | None = None
     num_generated: int = 0
     grammar_broken: bool = False
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
                eos_token_ids: Sequence[int], grammar: GrammarState | None = None) -> "LogitsState | None":
-        """The state for a request, or None when its params change no logits. ValueError when a
-        logit_bias token id is outside the vocabulary."""
+        """The state for a request, or None when its params change no logits. ValueError naming the
+        field when a logit_bias or allowed_token_ids id is outside the vocabulary, or when min_tokens
+        would mask every allowed token."""
         if not params.processes_logits:
             return None
-        bad = [t for t, _ in params.logit_bias if t >= vocab_size]
-        if bad:
-            ids = ", ".join(str(t) for t in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-            named = f"token id {ids} is" if len(bad) == 1 else f"token ids {ids} are"
-            raise ValueError(f"logit_bias: {named} outside the vocabulary [0, {vocab_size})")
+        _check_in_vocab("logit_bias", [t for t, _ in params.logit_bias], vocab_size)
+        _check_in_vocab("allowed_token_ids", params.allowed_token_ids or (), vocab_size)
         penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         counts = torch.zeros(vocab_size, dtype=torch.float32) if penalised else None
         prompt_mask = None
@@ -72,7 +73,8 @@ class LogitsState:
         stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
         bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
         bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
-        return cls(params, stop_ids, counts, prompt_mask, bias_ids, bias_values, grammar)
+        return cls(params, stop_ids, counts, prompt_mask, bias_ids, bias_values, grammar,
+                   _allowed_ids(params, stop_ids))
 
     def accept(self, token_id: int) -> None:
         """Record a sampled token. A token its grammar rejects should never have been sampled (it
@@ -83,6 +85,26 @@ class LogitsState:
             self.output_counts[token_id] += 1
         if self.grammar is not None and not self.grammar_broken and not self.grammar.accept(token_id):
             self.grammar_broken = True
+
+
+def _check_in_vocab(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """ValueError naming `name` when some of `token_ids` are outside [0, vocab_size) (up to 8 named)."""
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        ids = ", ".join(str(t) for t in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        named = f"token id {ids} is" if len(bad) == 1 else f"token ids {ids} are"
+        raise ValueError(f"{name}: {named} outside the vocabulary [0, {vocab_size})")
+
+
+def _allowed_ids(params: SamplingParams, stop_ids: tuple[int, ...]) -> Tensor | None:
+    """allowed_token_ids as [K] int64 (None without it); ValueError when min_tokens would mask every
+    one of them (nothing could be sampled)."""
+    if params.allowed_token_ids is None:
+        return None
+    if params.min_tokens and set(params.allowed_token_ids) <= set(stop_ids):
+        raise ValueError("allowed_token_ids: every allowed token is a stop token, which min_tokens forbids "
+                         "for the first tokens: nothing could be sampled")
+    return torch.tensor(params.allowed_token_ids, dtype=torch.int64)
 
 
 def _rows(states: Sequence[LogitsState | None], wanted) -> list[int]:
@@ -105,6 +127,16 @@ def _apply_grammars(logits: Tensor, states: Sequence[LogitsState | None]) -> Non
     subset = logits[rows]
     apply_bitmask(subset, bitmask)
     logits[rows] = subset
+
+
+def _apply_allowed(logits: Tensor, states: Sequence[LogitsState | None]) -> None:
+    rows = _rows(states, lambda s: s.allowed is not None)
+    if not rows:
+        return
+    keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    for position, row in enumerate(rows):
+        keep[position, states[row].allowed.to(logits.device)] = True
+    logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
 
 
 def _apply_min_tokens(logits: Tensor, states: Sequence[LogitsState | None]) -> None:
@@ -156,6 +188,7 @@ def process_logits(logits: Tensor, states: Sequence[LogitsState | None]) -> Tens
         return logits
     processed = logits.clone()
     _apply_grammars(processed, states)
+    _apply_allowed(processed, states)
     _apply_min_tokens(processed, states)
     _apply_logit_bias(processed, states)
     _apply_repetition(processed, states)
@@ -178,6 +211,11 @@ def process_logits_reference(logits_row: Tensor, params: SamplingParams, prompt_
     out = logits_row.clone().float()
     if allowed is not None:
         out[~allowed] = float("-inf")
+    if params.allowed_token_ids is not None:
+        whitelist = set(params.allowed_token_ids)
+        for token in range(out.shape[0]):
+            if token not in whitelist:
+                out[token] = float("-inf")
     if len(output_ids) < params.min_tokens:
         for token in stop_ids:
             out[token] = float("-inf")

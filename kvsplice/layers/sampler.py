@@ -8,9 +8,9 @@ Call order, per decode step:
       2. random rows: filtered_probs() = temperature -> top-k -> top-p -> min-p, vectorised over
          the rows with each row's own parameters (HF `generate` warper order), then one draw per
          row with that row's generator (inverse CDF with one uniform per row).
-        3. logprobs (rows that asked): log_softmax of the *unprocessed* logits (vLLM's default
+      3. logprobs (rows that asked): log_softmax of the *unprocessed* logits (vLLM's default
          "raw_logprobs": `raw_logits` when given, else `logits`), the chosen token plus the top-n
-         alternatives.
+         alternatives, or plus the tokens the row's `logprob_token_ids` names (vLLM's).
 
 `filtered_probs_reference` is the plain per-row path that the vectorised one is tested against.
 """
@@ -36,7 +36,8 @@ class TokenLogprob:
     token_id  the chosen (or actual) token.
     logprob   its log-probability (log_softmax of the unprocessed logits).
     top       the n most likely tokens as (token_id, logprob), most likely first; may contain
-              `token_id` itself (OpenAI `top_logprobs` semantics). Empty when n == 0.
+              `token_id` itself (OpenAI `top_logprobs` semantics). Empty when n == 0. With
+              `logprob_token_ids`: those tokens instead, in the order named.
     rank      1 + the number of tokens more likely than `token_id` (vLLM's rank); None if not computed.
     """
 
@@ -213,8 +214,10 @@ def _draw(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor
     return torch.minimum(token_ids, last_nonzero)
 
 
-def _token_logprobs(raw_logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[int]) -> list[TokenLogprob]:
-    """TokenLogprob per row of `raw_logprobs` [N, V] for `token_ids` [N], row i with top_ns[i] alternatives."""
+def _token_logprobs(raw_logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[int],
+                    named: Sequence[tuple[int, ...] | None] = ()) -> list[TokenLogprob]:
+    """TokenLogprob per row of `raw_logprobs` [N, V] for `token_ids` [N], row i with top_ns[i] alternatives,
+    or, where named[i] is given, the logprobs of those token ids instead."""
     chosen_column = raw_logprobs.gather(1, token_ids.long().unsqueeze(1))
     chosen = chosen_column.squeeze(1).tolist()
     ranks = ((raw_logprobs > chosen_column).sum(dim=1) + 1).tolist()
@@ -224,14 +227,13 @@ def _token_logprobs(raw_logprobs: Tensor, token_ids: Tensor, top_ns: Sequence[in
     if max_n > 0:
         top = torch.topk(raw_logprobs, max_n, dim=-1, sorted=True)
         top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    tops = [tuple(zip(top_ids[row][:n], top_values[row][:n])) for row, n in enumerate(top_ns)]
+    for row, ids in enumerate(named):
+        if ids is not None:
+            tops[row] = tuple(zip(ids, raw_logprobs[row, list(ids)].tolist()))
     return [
-        TokenLogprob(
-            token_id=int(token_id),
-            logprob=chosen[row],
-            top=tuple(zip(top_ids[row][:n], top_values[row][:n])),
-            rank=int(ranks[row]),
-        )
-        for row, (token_id, n) in enumerate(zip(token_ids.tolist(), top_ns))
+        TokenLogprob(token_id=int(token_id), logprob=chosen[row], top=tops[row], rank=int(ranks[row]))
+        for row, token_id in enumerate(token_ids.tolist())
     ]
 
 
@@ -247,7 +249,7 @@ def sample(
 
     Returns (token ids, logprobs) with B entries each; logprobs[i] is None unless
     params[i].logprobs is set, else the chosen token's raw logprob plus params[i].logprobs top
-    alternatives. Greedy rows never touch their generator; a seeded random row's token depends
+    alternatives (or the params[i].logprob_token_ids named tokens' raw logprobs). Greedy rows never touch their generator; a seeded random row's token depends
     only on its logits, params and generator state (which advances by one draw).
     Raises ValueError on shape / length mismatch.
     """
@@ -264,8 +266,9 @@ def sample(
     if logprob_rows:
         source = logits if raw_logits is None else raw_logits.float()
         raw = torch.log_softmax(source[logprob_rows], dim=-1)
-        top_ns = [params[row].logprobs for row in logprob_rows]
-        for row, entry in zip(logprob_rows, _token_logprobs(raw, token_ids[logprob_rows], top_ns)):
+        top_ns = [0 if params[row].logprob_token_ids else params[row].logprobs for row in logprob_rows]
+        named = [params[row].logprob_token_ids for row in logprob_rows]
+        for row, entry in zip(logprob_rows, _token_logprobs(raw, token_ids[logprob_rows], top_ns, named)):
             logprobs[row] = entry
     return token_ids.tolist(), logprobs
 

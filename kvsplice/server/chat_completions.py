@@ -28,7 +28,7 @@ from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
 from kvsplice.server.replies import ReplyFormat
 from kvsplice.server.extras import finish_fields, generated_ids, running_usage, wants_continuous_usage
-from kvsplice.server.sampling import (check_stop_token_ids, compile_constraint, max_tokens, openai_sampling,
+from kvsplice.server.sampling import (check_token_id_fields, compile_constraint, max_tokens, openai_sampling,
                                       reply_plan, truncate_prompt)
 from kvsplice.server.sse import stream_response
 from kvsplice.server.state import ServerState
@@ -62,7 +62,6 @@ class _Chat:
     head: dict[str, Any]
     choices: list[Choice]
     prefill: Optional[RequestTracker]
-    top_n: int
     fmt: ReplyFormat
     prompt_ids: list[int]
     params: SamplingParams
@@ -82,7 +81,7 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
                                              bool(body.continue_final_message))
     except ChatTemplateError as error:
         raise ApiError(400, str(error), param=error.param) from error
-    check_stop_token_ids(state, body.stop_token_ids)
+    check_token_id_fields(state, body)
     offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids, tools.template_tools,
                                       body.chat_template_kwargs, body.add_generation_prompt,
                                       bool(body.continue_final_message)) if state.wants_message_offsets else None
@@ -96,7 +95,7 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
     choices, prefill = await submit_choices(state, request, body, "chat", rid, prompt_ids, params, body.n, offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     fmt = ReplyFormat(state.settings.reasoning_parser, tools, state.chat.parser)
-    return _Chat(head, choices, prefill, top_n, fmt, prompt_ids, params)
+    return _Chat(head, choices, prefill, fmt, prompt_ids, params)
 
 
 def _completion(chat: _Chat, body: p.ChatCompletionRequest, tokenizer) -> dict[str, Any]:
@@ -109,7 +108,7 @@ def _completion(chat: _Chat, body: p.ChatCompletionRequest, tokenizer) -> dict[s
         message, reason = chat.fmt.message("".join(o.new_text for o in outputs), last)
         lps = [lp for o in outputs for lp in o.logprobs]
         entry = {"index": choice.index, "message": message, "finish_reason": reason,
-                 "logprobs": _logprobs(tokenizer, lps, chat.top_n) if body.logprobs else None,
+                 "logprobs": _logprobs(tokenizer, lps, body.return_tokens_as_token_ids) if body.logprobs else None,
                  **finish_fields(tokenizer, chat.params, chat.prompt_ids, outputs, last)}
         if body.return_token_ids:
             entry["token_ids"] = generated_ids(outputs)
@@ -145,7 +144,7 @@ async def _chunks(chat: _Chat, body: p.ChatCompletionRequest, tokenizer,
     async for index, out in outputs:
         delta = streams[index].feed(out.new_text, final=out.finished)
         reason = streams[index].finish_reason(out.finish_reason) if out.finished else None
-        logprobs = _logprobs(tokenizer, out.logprobs, chat.top_n) if body.logprobs else None
+        logprobs = _logprobs(tokenizer, out.logprobs, body.return_tokens_as_token_ids) if body.logprobs else None
         if not (delta or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
             continue
         entry = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs,
@@ -163,12 +162,16 @@ async def _chunks(chat: _Chat, body: p.ChatCompletionRequest, tokenizer,
         yield {**chunk_head, "choices": [], "usage": choices_usage(chat.choices, chat.prefill)}
 
 
-def _logprobs(tokenizer, lps, top_n: int) -> dict[str, Any]:
-    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+def _logprobs(tokenizer, lps, as_ids: bool) -> dict[str, Any]:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}, each token's
+    `top_logprobs` what its request asked for (the `top_logprobs` most likely, or its `logprob_token_ids`).
+    `as_ids` (vLLM's `return_tokens_as_token_ids`) writes each `token` as "token_id:N"; `bytes` stay the
+    token's own UTF-8 bytes."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.token_str(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        token = f"token_id:{token_id}" if as_ids else text
+        return {"token": token, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob),
-                         "top_logprobs": [entry(t, v) for t, v in lp.top[:top_n]]} for lp in lps]}
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}

@@ -25,7 +25,7 @@ from kvsplice.server.choices import Choice, merge
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
 from kvsplice.server.extras import finish_fields, generated_ids, running_usage, wants_continuous_usage
-from kvsplice.server.sampling import (check_prompt_ids, check_stop_token_ids, compile_constraint, constraint_field,
+from kvsplice.server.sampling import (check_prompt_ids, check_token_id_fields, compile_constraint, constraint_field,
                                       max_tokens, openai_sampling, text_constraint, truncate_prompt)
 from kvsplice.server.sse import stream_response
 from kvsplice.server.state import ServerState
@@ -100,7 +100,7 @@ async def _start(state: ServerState, request: Request, body: p.CompletionRequest
         raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
     if body.echo and body.stream:
         raise ApiError(400, "echo is not supported with stream=true", param="echo")
-    check_stop_token_ids(state, body.stop_token_ids)
+    check_token_id_fields(state, body)
     constraint = text_constraint(body)
     await compile_constraint(state, constraint, constraint_field(body))
     full_lengths = [len(ids) for ids in prompt_ids]
@@ -201,8 +201,9 @@ def _prompt_choices(prompt: _Prompt, completion: _Completion, body: p.Completion
         logprobs = None
         if body.logprobs is not None:
             generated = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
-            logprobs = _joined(_logprobs(tokenizer, echoed, 0, top_n),
-                               _logprobs(tokenizer, generated, len(prompt_text), top_n))
+            as_ids = body.return_tokens_as_token_ids
+            logprobs = _joined(_logprobs(tokenizer, echoed, 0, top_n, as_ids),
+                               _logprobs(tokenizer, generated, len(prompt_text), None, as_ids))
         reason = "length" if score_only else choice.tracker.last.finish_reason
         entry = {"index": choice.index, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": reason,
                  **finish_fields(tokenizer, prompt.params, prompt_ids, outs, reason)}
@@ -247,8 +248,8 @@ async def _chunks(completion: _Completion, body: p.CompletionRequest, tokenizer,
         prompt, choice = prompts[index]
         logprobs = None
         if want_logprobs:
-            logprobs = _logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index],
-                                 body.logprobs or 0)
+            logprobs = _logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index], None,
+                                 body.return_tokens_as_token_ids)
         offsets[index] += len(out.new_text)
         if not (out.new_text or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
             continue
@@ -270,24 +271,31 @@ async def _chunks(completion: _Completion, body: p.CompletionRequest, tokenizer,
         yield {**chunk_head, "choices": [], "usage": _usage(completion)}
 
 
-def _logprobs(tokenizer, lps, first_offset: int, top_n: int) -> dict[str, Any]:
+def _logprobs(tokenizer, lps, first_offset: int, top_n: Optional[int], as_ids: bool) -> dict[str, Any]:
     """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob} or None),
     text_offset (character offset of each token in the returned text, from `first_offset`). An entry of
     `lps` may be None (the first prompt token): its logprob and top_logprobs are null. `top_logprobs`
-    holds the `top_n` most likely tokens and, as vLLM's, the chosen one (so `logprobs: 0` gives just it)."""
+    holds the first `top_n` entries of each `lp.top` (all of them when None: a generated token's are
+    what its request asked for, the most likely or its `logprob_token_ids`) and, as vLLM's, the chosen
+    one (so `logprobs: 0` gives just it). `as_ids` (vLLM's `return_tokens_as_token_ids`) writes each
+    token, in `tokens` and as a `top_logprobs` key, as "token_id:N"; `text_offset` still counts the
+    tokens' text, which is what the answer's text holds."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = first_offset
+
+    def name(token_id: int) -> str:
+        return f"token_id:{token_id}" if as_ids else tokenizer.token_str(token_id)
+
     for token_id, lp in lps:
-        text = tokenizer.token_str(token_id)
-        tokens.append(text)
+        tokens.append(name(token_id))
         offsets.append(offset)
-        offset += len(text)
+        offset += len(tokenizer.token_str(token_id))
         token_lps.append(None if lp is None else lp.logprob)
         if lp is None:
             tops.append(None)
             continue
-        top = {tokenizer.token_str(t): v for t, v in lp.top[:top_n]}
-        top.setdefault(text, lp.logprob)
+        top = {name(t): v for t, v in lp.top[:top_n]}
+        top.setdefault(name(token_id), lp.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 

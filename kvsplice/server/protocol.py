@@ -283,6 +283,12 @@ class _SamplingFields(_OpenAIRequest):
     truncation_side: Optional[Literal["left", "right"]] = None  # left (default): keep the prompt's end
     prompt_logprobs: Optional[StrictInt] = None
     return_token_ids: StrictBool = False
+    # vLLM extras on sampling and logprobs: a whitelist of the tokens sampled, the tokens whose logprobs are
+    # reported (in place of the most likely ones), logprob tokens written "token_id:N"; no beam search
+    allowed_token_ids: Optional[list[StrictInt]] = None
+    logprob_token_ids: Optional[list[StrictInt]] = None
+    return_tokens_as_token_ids: StrictBool = False
+    use_beam_search: Optional[StrictBool] = None
     # SGLang extras: `regex` is guided_regex under SGLang's name; regex stops are not supported
     regex: Optional[str] = None
     stop_regex: Union[str, list[str], None] = None
@@ -297,6 +303,11 @@ class _SamplingFields(_OpenAIRequest):
     _stop_limits = field_validator("stop")(_check_stop)
     _stop_id_limits = field_validator("stop_token_ids")(_check_stop_token_ids)
     _id_limits = field_validator("cache_salt", "session_id")(_check_id)
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: Optional[bool]) -> Optional[bool]:
+        return _refuse_unless_neutral("use_beam_search: true (beam search)", value, (None, False))
 
     @field_validator("no_stop_trim", "return_hidden_states")
     @classmethod

@@ -53,12 +53,20 @@ def check_prompt_ids(state: ServerState, prompt_ids: list[int], param: str) -> N
         raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
 
-def check_stop_token_ids(state: ServerState, ids: Optional[list[int]], param: str = "stop_token_ids") -> None:
-    """400 naming `param` for a stop token id outside the vocabulary (it could never be sampled)."""
+def check_vocab_ids(state: ServerState, ids: Optional[list[int]], param: str) -> None:
+    """400 naming `param` for a token id outside the vocabulary (a stop token id that could never be
+    sampled, an allowed or logprob token id that does not exist)."""
     vocab = state.engine.model_config.vocab_size
     bad = next((token for token in ids or () if not 0 <= token < vocab), None)
     if bad is not None:
         raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def check_token_id_fields(state: ServerState, body: p._SamplingFields) -> None:
+    """`check_vocab_ids` on each field of `body` that holds token ids: stop_token_ids, allowed_token_ids
+    and logprob_token_ids."""
+    for param in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+        check_vocab_ids(state, getattr(body, param), param)
 
 
 def truncate_prompt(state: ServerState, prompt_ids: list[int], keep: Optional[int],
@@ -104,6 +112,8 @@ def openai_sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Option
             logit_bias=fields.logit_bias or (),
             min_tokens=fields.min_tokens,
             structured=structured,
+            allowed_token_ids=fields.allowed_token_ids,
+            logprob_token_ids=fields.logprob_token_ids,
         )
     except ValueError as error:
         name = str(error).split(":")[0].split(" ")[0]

@@ -21,7 +21,7 @@ from kvsplice.server import protocol as p
 from kvsplice.server.auth import flush_owner, refuse_browser_request
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import ADMIN_ERRORS, INFERENCE_ERRORS, READ_ERRORS, json_request_body
-from kvsplice.server.sampling import check_prompt_ids, check_stop_token_ids, max_tokens, sglang_sampling
+from kvsplice.server.sampling import check_prompt_ids, check_vocab_ids, max_tokens, sglang_sampling
 from kvsplice.server.sse import stream_response
 from kvsplice.server.state import ServerState
 from kvsplice.server.tracking import (RequestTracker, collect, engine_extras, engine_unavailable, message_offsets,
@@ -90,7 +90,7 @@ async def _start(state: ServerState, request: Request,
                        param="sampling_params.max_new_tokens")
     budget = max_tokens(state, len(prompt_ids), sp.max_new_tokens, prompt_param, "sampling_params.max_new_tokens")
     check_prompt_ids(state, prompt_ids, prompt_param)
-    check_stop_token_ids(state, sp.stop_token_ids, "sampling_params.stop_token_ids")
+    check_vocab_ids(state, sp.stop_token_ids, "sampling_params.stop_token_ids")
     params = sglang_sampling(sp, budget)
     session = session_id(state, body, request)
     tracker = RequestTracker(rid, "generate", session)

@@ -111,5 +111,9 @@ def test_bad_requests_raise_value_error(model_dir):
         engine.add_request([], SamplingParams())
     with pytest.raises(ValueError, match="vocabulary"):
         engine.add_request([10**7], SamplingParams())
+    with pytest.raises(ValueError, match="logprob_token_ids: token id 10000000 is outside the vocabulary"):
+        engine.add_request([1, 2], SamplingParams(logprobs=0, logprob_token_ids=[3, 10**7]))
+    with pytest.raises(ValueError, match="allowed_token_ids: token id 10000000 is outside the vocabulary"):
+        engine.add_request([1, 2], SamplingParams(allowed_token_ids=[3, 10**7]))
     with pytest.raises(ValueError, match="context limit"):
         engine.add_request(prompt_ids(250, seed=0), SamplingParams(max_tokens=10))

@@ -15,6 +15,7 @@ from kvsplice.layers.logits_processors import (LogitsState, accept_tokens, proce
                                                process_logits_reference)
 from kvsplice.layers.sampler import sample
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.structured.spec import StructuredSpec
 
 VOCAB = 50
 EOS = (3,)
@@ -45,7 +46,8 @@ def test_batched_processing_matches_reference_per_row():
             repetition_penalty=rng.choice([1.0, 1.3, 0.8, 2.5]),
             logit_bias={rng.randrange(VOCAB): rng.uniform(-100, 100) for _ in range(rng.randrange(4))},
             min_tokens=rng.choice([0, 3, 10]),
-            stop_token_ids=[7] if row % 3 == 0 else []))
+            stop_token_ids=[7] if row % 3 == 0 else [],
+            allowed_token_ids=rng.sample(range(VOCAB), 6) if row % 4 == 1 else None))
         prompts.append([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 15))])
         outputs.append([rng.randrange(VOCAB) for _ in range(rng.randrange(0, 12))])
     logits = torch.randn(len(params_list), VOCAB) * 5
@@ -127,6 +129,30 @@ def test_logit_bias_steers_greedy_sampling_and_logprobs_stay_raw():
     assert lps[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[11].item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_allowed_token_ids_are_the_only_tokens_sampled_and_logprobs_stay_raw(temperature):
+    """Greedy and random rows pick only whitelisted tokens, even where the others are far likelier;
+    the reported logprob is the raw one (vLLM's), and a row without a whitelist is untouched."""
+    torch.manual_seed(5)
+    logits = torch.randn(2, VOCAB) * 3
+    logits[0, 20:] += 50                          # every likely token is outside the whitelist
+    allowed = SamplingParams(temperature=temperature, logprobs=0, allowed_token_ids=[2, 11, 17])
+    free = SamplingParams(temperature=0)
+    states = run_states([allowed, free], [[1], [1]], [[], []])
+    for _ in range(20):
+        tokens, lps = sample(process_logits(logits, states), [allowed, free], [None, None], raw_logits=logits)
+        assert tokens[0] in (2, 11, 17) and tokens[1] == int(logits[1].argmax())
+        assert lps[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[tokens[0]].item(), abs=1e-6)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_or_all_masked_by_min_tokens_are_refused():
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token ids 50, 61 are outside the vocabulary \[0, 50\)"):
+        LogitsState.create(SamplingParams(allowed_token_ids=[4, 50, 61]), [1], VOCAB, EOS)
+    with pytest.raises(ValueError, match="allowed_token_ids: every allowed token is a stop token"):
+        LogitsState.create(SamplingParams(allowed_token_ids=[3, 7], stop_token_ids=[7], min_tokens=1), [1], VOCAB, EOS)
+    assert LogitsState.create(SamplingParams(allowed_token_ids=[3, 7], stop_token_ids=[7]), [1], VOCAB, EOS)
+
+
 def test_accept_tokens_counts_generated_tokens():
     params = SamplingParams(frequency_penalty=1.0, min_tokens=2)
     [state] = run_states([params], [[1]], [[]])
@@ -147,6 +173,7 @@ def test_no_processing_gives_no_state_and_bad_bias_id_is_refused():
     (dict(min_tokens=17), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
     (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
     (dict(logit_bias={i: 1 for i in range(1025)}), "logit_bias"),
+    (dict(allowed_token_ids=[1], structured=StructuredSpec("regex", "a+")), "allowed_token_ids"),
 ])
 def test_bad_processing_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -184,6 +184,22 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top():
         assert math.isclose(value, raw[0, token_id].item(), rel_tol=1e-6)
 
 
+def test_logprob_token_ids_replace_the_top_alternatives():
+    """A row with logprob_token_ids reports those tokens' raw logprobs, in the order named, however
+    unlikely, and not the top ones; the row beside it keeps its own top-n."""
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(6)) * 3
+    named = tuple(raw_order for raw_order in logits[0].argsort().tolist()[:2])   # the two least likely
+    params = [SamplingParams(temperature=0.0, logprobs=5, logprob_token_ids=[named[1], named[0]]),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    token_ids, logprobs = sample(logits, params, [None, None])
+    raw = torch.log_softmax(logits, dim=-1)
+    assert [token for token, _ in logprobs[0].top] == [named[1], named[0]]
+    for token, value in logprobs[0].top:
+        assert math.isclose(value, raw[0, token].item(), rel_tol=1e-6)
+    assert logprobs[0].token_id == token_ids[0] == int(logits[0].argmax())
+    assert [token for token, _ in logprobs[1].top] == raw[1].topk(2).indices.tolist()
+
+
 def test_logprobs_of_prompt_tokens():
     logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(5))
     token_ids = torch.tensor([3, 0, 11, 7])

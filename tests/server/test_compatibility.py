@@ -49,9 +49,12 @@ ACCEPTED = {
                                "continue_final_message": True, "add_generation_prompt": False},
     "truncate_prompt_tokens": {"truncate_prompt_tokens": 1},
     "truncation_side": {"truncate_prompt_tokens": 1, "truncation_side": "right"}, "prompt_logprobs": {"prompt_logprobs": 1},
-    "return_token_ids": {"return_token_ids": True}, "regex": {"regex": "a+"}, "stop_regex": {"stop_regex": ["zz+"]},
+    "return_token_ids": {"return_token_ids": True}, "allowed_token_ids": {"allowed_token_ids": [5, 6]},
+    "logprob_token_ids": {"logprob_token_ids": [5]}, "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True}, "regex": {"regex": "a+"}, "stop_regex": {"stop_regex": ["zz+"]},
     "cache_salt": {"cache_salt": "salt"}, "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
 }
+# fields whose value above is sent with logprobs asked for (chat: true, completions: a count)
+WITH_LOGPROBS = {"logprobs", "logprob_token_ids", "return_tokens_as_token_ids"}
 REFUSED = {
     "message_offsets": [0],
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f"}], "function_call": "auto",
@@ -61,7 +64,7 @@ REFUSED = {
 DEFAULT_ONLY = {
     "store": (False, True), "service_tier": ("auto", "flex"), "modalities": (["text"], ["text", "audio"]),
     "no_stop_trim": (False, True), "continue_final_message": (False, True), "separate_reasoning": (True, False),
-    "stream_reasoning": (True, False), "return_hidden_states": (False, True),
+    "stream_reasoning": (True, False), "return_hidden_states": (False, True), "use_beam_search": (False, True),
 }
 
 
@@ -118,9 +121,8 @@ def test_each_field_behaves_as_its_status_says(server, kind):
         samples = {"supported": ACCEPTED, "ignored": ACCEPTED, "refused": REFUSED, "default only": DEFAULT_ONLY}[status]
         assert field in samples, f"{field} is documented as {status}, which the test has no value to check with"
         if status in ("supported", "ignored"):
-            extra = ACCEPTED[field] if ACCEPTED[field] is not None else (
-                {"logprobs": True} if kind == "chat" else {"logprobs": 2})
-            body = {**base_body(kind), **extra}
+            logprobs = {"logprobs": True} if kind == "chat" else {"logprobs": 2}
+            body = {**base_body(kind), **(logprobs if field in WITH_LOGPROBS else {}), **(ACCEPTED[field] or {})}
             if body.get("model", "") is None:
                 body["model"] = server.state.engine.name
             response = send(server, kind, body)
