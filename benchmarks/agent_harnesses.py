@@ -345,8 +345,9 @@ def claude_run(home: Path, base_url: str, reply_tokens: int) -> HarnessRun:
         "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(reply_tokens),
         # its stream watchdog gives up on a request after 300 s without a byte (at least that, whatever
         # this says): a 20K-token prefill on a loaded CPU takes longer
-        # and its fetch gives up after 300 s ("Request timed out") unless API_FORCE_IDLE_TIMEOUT switches that off
-        "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_FORCE_IDLE_TIMEOUT": "1",
+        # and its fetch gives up after 300 s ("Request timed out") unless API_FORCE_IDLE_TIMEOUT is a false value
+        # ("0": a true one forces that timeout on even where the client would take it off)
+        "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_FORCE_IDLE_TIMEOUT": "0",
         "CLAUDE_CODE_MAX_RETRIES": "0"})
 
 
