@@ -356,7 +356,10 @@ def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> H
     config.write_text(json.dumps({
         "$schema": "https://opencode.ai/config.json",
         "provider": {"kvsplice": {"npm": "@ai-sdk/openai-compatible", "name": "kvsplice",
-                                  "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY, "timeout": 3600000},
+                                  "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY, "timeout": 3600000,
+                                              # its own 300 s limits on the response headers (which come
+                                              # with the first token, after the prefill) and between chunks
+                                              "headerTimeout": False, "chunkTimeout": 3600000},
                                   "models": {SERVED_NAME: {"name": "Gemma 3 270M",
                                                            "limit": {"context": 32768, "output": reply_tokens}}}}},
         "model": f"kvsplice/{SERVED_NAME}", "small_model": f"kvsplice/{SERVED_NAME}",
@@ -551,7 +554,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--harness", default="codex,claude,opencode", help="comma-separated: codex, claude, opencode")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--reply-tokens", type=int, default=48, help="the model's max_new_tokens (default 48)")
-    parser.add_argument("--turn-timeout", type=float, default=1800.0, help="seconds one CLI turn may take")
+    parser.add_argument("--turn-timeout", type=float, default=5400.0, help="seconds one CLI turn may take")
     parser.add_argument("--cache", type=Path, default=CACHE, help="where the CLIs are installed from npm")
     parser.add_argument("--out", type=Path, help="keep each harness's run as OUT/<harness>.json")
     parser.add_argument("--report", type=Path, help="print the runs saved in this folder and exit")
