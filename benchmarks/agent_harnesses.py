@@ -118,9 +118,9 @@ def gemma_model_dir(work: Path, reply_tokens: int) -> Path:
     vocab = {token["content"]: token["id"] for token in
              json.loads((converted / "tokenizer.json").read_text())["added_tokens"]}
     # The base model never samples <end_of_turn>: greedy, it writes token 217716 (" mendatang") where a turn
-    # marker (<end_of_turn>, <start_of_turn>) stands, then goes on with a new turn (measured with the probe
-    # prompt in docs/benchmarks/agent_harnesses.txt's notes). Ending the reply there, as at <end_of_turn>,
-    # is ending it where the model itself closes its turn; without it every reply runs into the budget.
+    # marker (<end_of_turn>, <start_of_turn>) stands, then goes on with a new turn (the probe: docs/
+    # BENCHMARKS_HISTORY.md, "Gemma 3 270M base: where its replies end (agent_harnesses)"). Ending the reply
+    # there, as at <end_of_turn>, is ending it where the model itself closes its turn.
     eos = [generation["eos_token_id"], vocab[END_OF_TURN], vocab[START_OF_TURN], TURN_MARKER_AS_WRITTEN]
     (served / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos,
                                                                "max_new_tokens": reply_tokens}))
