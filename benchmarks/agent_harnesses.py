@@ -118,9 +118,9 @@ def gemma_model_dir(work: Path, reply_tokens: int) -> Path:
     vocab = {token["content"]: token["id"] for token in
              json.loads((converted / "tokenizer.json").read_text())["added_tokens"]}
     # The base model never samples <end_of_turn>: greedy, it writes token 217716 (" mendatang") where a turn
-    # marker (<end_of_turn>, <start_of_turn>) stands, then goes on with a new turn (measured with the probe
-    # prompt in docs/benchmarks/agent_harnesses.txt's notes). Ending the reply there, as at <end_of_turn>,
-    # is ending it where the model itself closes its turn; without it every reply runs into the budget.
+    # marker (<end_of_turn>, <start_of_turn>) stands, then goes on with a new turn (the probe: docs/
+    # BENCHMARKS_HISTORY.md, "Gemma 3 270M base: where its replies end (agent_harnesses)"). Ending the reply
+    # there, as at <end_of_turn>, is ending it where the model itself closes its turn.
     eos = [generation["eos_token_id"], vocab[END_OF_TURN], vocab[START_OF_TURN], TURN_MARKER_AS_WRITTEN]
     (served / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos,
                                                                "max_new_tokens": reply_tokens}))
@@ -345,8 +345,9 @@ def claude_run(home: Path, base_url: str, reply_tokens: int) -> HarnessRun:
         "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(reply_tokens),
         # its stream watchdog gives up on a request after 300 s without a byte (at least that, whatever
         # this says): a 20K-token prefill on a loaded CPU takes longer
-        # and its fetch gives up after 300 s ("Request timed out") unless API_FORCE_IDLE_TIMEOUT switches that off
-        "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_FORCE_IDLE_TIMEOUT": "1",
+        # and its fetch gives up after 300 s ("Request timed out") unless API_FORCE_IDLE_TIMEOUT is a false value
+        # ("0": a true one forces that timeout on even where the client would take it off)
+        "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_FORCE_IDLE_TIMEOUT": "0",
         "CLAUDE_CODE_MAX_RETRIES": "0"})
 
 
@@ -355,7 +356,10 @@ def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> H
     config.write_text(json.dumps({
         "$schema": "https://opencode.ai/config.json",
         "provider": {"kvsplice": {"npm": "@ai-sdk/openai-compatible", "name": "kvsplice",
-                                  "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY, "timeout": 3600000},
+                                  "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY, "timeout": 3600000,
+                                              # its own 300 s limits on the response headers (which come
+                                              # with the first token, after the prefill) and between chunks
+                                              "headerTimeout": False, "chunkTimeout": 3600000},
                                   "models": {SERVED_NAME: {"name": "Gemma 3 270M",
                                                            "limit": {"context": 32768, "output": reply_tokens}}}}},
         "model": f"kvsplice/{SERVED_NAME}", "small_model": f"kvsplice/{SERVED_NAME}",
@@ -550,7 +554,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--harness", default="codex,claude,opencode", help="comma-separated: codex, claude, opencode")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--reply-tokens", type=int, default=48, help="the model's max_new_tokens (default 48)")
-    parser.add_argument("--turn-timeout", type=float, default=1800.0, help="seconds one CLI turn may take")
+    parser.add_argument("--turn-timeout", type=float, default=5400.0, help="seconds one CLI turn may take")
     parser.add_argument("--cache", type=Path, default=CACHE, help="where the CLIs are installed from npm")
     parser.add_argument("--out", type=Path, help="keep each harness's run as OUT/<harness>.json")
     parser.add_argument("--report", type=Path, help="print the runs saved in this folder and exit")

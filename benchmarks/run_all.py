@@ -199,11 +199,6 @@ BENCHMARKS = (
               (r"^\|",),
               ("policy", "requests (failed)", "prefix share", "relocated share", "prefilled tokens",
                "TTFT p50 / p90 ms", "replicas per conversation")),
-    Benchmark("hybrid_speed", "Hybrid (Gated DeltaNet) model speed against transformers", "hybrid",
-              "python benchmarks/hybrid_speed.py --model-dir models/hybrid-mini",
-              "Prefill and decode speed of the trained hybrid (models/hybrid-mini) against transformers on the "
-              "same weights, one request.",
-              "models/hybrid-mini at float32 (both engines)."),
     Benchmark("hybrid_fidelity", "SCR on a trained hybrid: state modes against exact recompute", "hybrid",
               "python benchmarks/hybrid_fidelity.py --out runs/hybrid_fidelity.json",
               "The built-in edit cases on the trained hybrid: the fork / checkpoint / none state modes against "
@@ -234,18 +229,6 @@ BENCHMARKS = (
               "prefill share, as a multiple of a decode-only step.",
               "The defaults as resolved on this CPU (`--dtype auto`: bf16; `--weight-format auto`: int4 projections, "
               "bf16 lm_head), one thread (`OMP_NUM_THREADS=1`)."),
-    Benchmark("decode_profile", "Where a decode step's time goes", "fast decode",
-              "python benchmarks/decode_profile.py",
-              "The engine alone (no HTTP): median decode step for 1 and 8 streams on 2 threads (1: the stored output), and the "
-              "profiler's split of a step.",
-              "The defaults as resolved on this CPU (bf16, the GGUF's 4-bit groups), eager (no `--compile-decode`).",
-              (r"^threads 2",)),
-    Benchmark("row_head", "One decode row's lm_head from the GGUF's Q8_0 blocks", "fast decode",
-              "python benchmarks/row_head.py",
-              "The tied Q8_0 embedding as `--compile-decode` uses it for one row (int8 blocks, a compiled fp32 "
-              "loop) against the bf16 head: time of one row's logits and KL(exact head || head).",
-              "The head that the compiled decode step uses against the bf16 head.",
-              (r"^\d+ head rows", r"^  ", r"^threads")),
     Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
               "python benchmarks/vs_llamacpp.py --kvsplice-args=--compile-decode --out runs/vs_llamacpp.json",
               "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold "
@@ -280,6 +263,14 @@ BENCHMARKS = (
               "came from.",
               f"{FLOAT32}; {SCR_16}.",
               (r"^openai", r"^OK")),
+    Benchmark("agent_harnesses", "Agent CLIs on kvsplice: Codex CLI, Claude Code, opencode", "agent API",
+              "python benchmarks/agent_harnesses.py --turns 2 --out runs/agent_harnesses",
+              "Each CLI through 2 turns (the second resumes the first's session) on Gemma 3 270M: per CLI, its "
+              "4xx, 5xx and stream errors; per turn, its exit, requests and where their prompt tokens came from.",
+              "`kvsplice serve` defaults, replies at most 48 tokens; each CLI run on its own (`--harness`, "
+              "times in the output), on 2 cores shared with other jobs.",
+              (r"^\| harness \| turn \| CLI exit", r"^\| \w+ \| \d+ \| exit ",
+               r"^\| harness \| turns ok", r"^\| \w+ \| \d+/\d+ \|")),
 )
 
 

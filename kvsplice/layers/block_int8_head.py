@@ -5,8 +5,8 @@ Why: fidelity, not speed. The bf16 head rounds the weights to 8 significant bits
 to bf16, a measurable KL from the exact head; this head computes the exact one. It runs at the bf16
 head's speed, not faster: the default model's 28 MB of int8 and 3.5 MB of scales are half the
 bytes of its 57 MB of bf16, but the loop streams them slower than oneDNN's kernel
-(benchmarks/row_head.py; docs/BENCHMARKS.md, "One decode row's lm_head from the GGUF's Q8_0
-blocks"). It serves one-row products only: a loop that reads the weights once per row loses to the
+(benchmarks/row_head.py; docs/BENCHMARKS_HISTORY.md, "One decode row's lm_head from the GGUF's
+Q8_0 blocks"). It serves one-row products only: a loop that reads the weights once per row loses to the
 bf16 matmul from two rows on.
 
 Numerics. GGUF's Q8_0 stores w = d q per block of 32 inputs (q int8 with max |q| = 127, d fp16).
