@@ -163,6 +163,7 @@ class CacheManager:
                                 on_evict=self._spill if self.tier is not None else None,
                                 share=TenantShare(pool.num_slots, tenant_share))
         self.prefix_cache = prefix_cache
+        self.min_computed = 1   # prompt tokens a prefix hit leaves to compute (see `match`)
         # reads of queued requests, off the engine thread (kvsplice.engine.tier_reads)
         self.reads = TierReads(self.tier, self.tier.config.max_prefetches) if self.tier is not None else None
         self.release_over_share: Callable[[], bool] = lambda: False
@@ -185,12 +186,14 @@ class CacheManager:
         return slots
 
     def match(self, req: Req):
-        """Longest cached exact prefix usable by `req` (never the whole sequence: at least one
-        token must be computed to get logits). No match when prompt logprobs are wanted, since
+        """Longest cached exact prefix usable by `req`: never the last `min_computed` tokens (at
+        least one token must be computed to get logits; in bf16, enough that they take the path a
+        cold prefill takes, so a cached prompt gives the bits a cold one gives: the Engine sets it
+        from `ModelRunner.min_computed_tokens`). No match when prompt logprobs are wanted, since
         those need logits at every prompt position."""
         if not self.prefix_cache or req.wants_prompt_logprobs:
             return self.radix.match_prefix([], req.namespace)
-        ids = req.seq_ids[: req.seq_len - 1]
+        ids = req.seq_ids[: max(0, req.seq_len - self.min_computed)]
         cached = self._window_cut(ids, req.namespace, self.radix.match_prefix(ids, req.namespace))
         match = self._load_from_tier(req, ids, cached) if self.tier is not None else cached
         if self.states is None:

@@ -161,6 +161,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints,
                                   decode_builder=decode_builder)
+        # a prompt served from the prefix cache computes its last tokens with the bits a cold prefill
+        # gives them (bf16 few-row kernels would not): the same request, cached or not, samples alike
+        self.cache.min_computed = self.runner.min_computed_tokens()
         self.lane: PrefillLane | None = None
         if 0 < config.prefill_lane_threads < torch.get_num_threads() and self.runner.supports_lane:
             self.lane = PrefillLane(config.prefill_lane_threads, self.runner.run_lane)

@@ -24,6 +24,7 @@ from kvsplice.engine.step_budget import StepBudget
 from kvsplice.layers.forward_batch import ForwardBatch, LinearSeq, Segment, SeqSlice
 from kvsplice.layers.logits_processors import accept_tokens, process_logits
 from kvsplice.layers.sampler import TokenLogprob, logprobs_of, sample
+from kvsplice.layers.shape_bucket import PADDED_DTYPES
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.models.quantize import WeightFormat, apply_weight_format, resolve_weight_format
@@ -91,6 +92,16 @@ class ModelRunner:
         if compiles and self.fast is None:
             raise ValueError("--compile-decode needs the fast path: an attention-only model without sliding "
                              "windows, and no --no-fast-path")
+
+    def min_computed_tokens(self) -> int:
+        """The fewest prompt tokens a request must compute after a prefix hit for them to get the
+        bits a cold prefill gives them: 1 (the last, for its logits) in fp32 or without few-row
+        kernels; in bf16 / fp16 one more than the most rows a few-row kernel multiplies, since up to
+        there the packed kernel computes them with other bits than the dense, row-tiled path a
+        longer prefill takes (kvsplice.layers.quant_linear, "Batch invariance")."""
+        if self.fast is None or self.fast.embed.dtype not in PADDED_DTYPES:
+            return 1
+        return 1 + self.fast.few_row_limit
 
     def _fast_decoder(self, model: Decoder, compiles: bool, decode_builder) -> FastDecoder:
         """The FastDecoder of `model` in this runner's weight format: without compiled decode, the

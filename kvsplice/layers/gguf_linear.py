@@ -104,6 +104,11 @@ class GGUFLinear:
         held += [t for plane in self.planes for t in (plane.packed, plane.scales_zeros)]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
+    @property
+    def few_row_limit(self) -> int:
+        """The most rows multiplied by the int4-plane kernel (0: it has none)."""
+        return self.small_batch_rows if self.planes else 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.planes and x.shape[0] <= self.small_batch_rows:
             y = self._planes_mm(x)
@@ -233,6 +238,11 @@ class GGUFPlanesLinear:
     @property
     def out_features(self) -> int:
         return self.dense.out_features
+
+    @property
+    def few_row_limit(self) -> int:
+        """The most rows multiplied by the int4-plane kernel (0: it has none; above it, the dense copy's)."""
+        return self.small_batch_rows if self.planes else self.dense.few_row_limit
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.planes or x.shape[0] > self.small_batch_rows:

@@ -257,6 +257,12 @@ class PackedLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def few_row_limit(self) -> int:
+        """The most rows multiplied by the packed few-row kernel (0: it has none), whose bits
+        differ from the dense path's."""
+        return self.small_batch_rows if self.packed is not None else 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] > self.small_batch_rows:
             if self.row_tile is None:

@@ -284,6 +284,14 @@ class FastDecoder:
                          threads.head_counts())
         return CompiledDecode(self.arena_decode_hidden, spec, builder)
 
+    @property
+    def few_row_limit(self) -> int:
+        """The most rows any projection (the lm_head too) multiplies with a few-row kernel (0: none
+        has one). A forward of more rows than this computes every row by the dense path, whose bf16
+        bits do not depend on the row count (kvsplice.layers.quant_linear, "Batch invariance")."""
+        linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        return max(linear.few_row_limit for linear in [*linears, self.lm_head])
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, arena: Optional[DecodeArena] = None) -> torch.Tensor:
         """Same contract as `Decoder.forward` (fp32 logits of `batch.logit_rows`; writes every

@@ -47,3 +47,22 @@ def test_rows_over_a_cached_prefix_equal_the_full_prefill(cold_engine):
         assert hit.prompt_logits.keys() == full.prompt_logits.keys()
         assert all(torch.equal(hit.prompt_logits[at], full.prompt_logits[at]) for at in full.prompt_logits), computed
         warm.flush_cache()
+
+
+def test_a_repeated_seeded_request_samples_alike_cached_or_not(cold_engine):
+    """The same seeded request twice: the second is served from the prefix cache, which leaves the
+    last `min_computed` tokens to compute (more than the few-row kernels take), so its last rows,
+    first-token logits and sampled reply equal the first run's bit for bit."""
+    warm = Engine(cold_engine.runner.model, cold_engine.model_config, cold_engine.tokenizer, EngineConfig(num_slots=4096),
+                  name=cold_engine.name)
+    assert warm.cache.min_computed == 1 + warm.runner.fast.few_row_limit > 1
+    prompt = torch.randint(100, 20_000, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=1234, logprobs=1, ignore_eos=True)
+    llm = LLM(engine=warm)
+    [first] = llm.generate([prompt], params, keep_last_logits=4)
+    [again] = llm.generate([prompt], params, keep_last_logits=4)
+    assert first.reuse.prefix_tokens == 0
+    assert again.reuse.prefix_tokens == len(prompt) - warm.cache.min_computed
+    assert all(torch.equal(again.prompt_logits[at], first.prompt_logits[at]) for at in first.prompt_logits)
+    assert again.token_ids == first.token_ids
+    assert [lp.logprob for lp in again.logprobs] == [lp.logprob for lp in first.logprobs]
