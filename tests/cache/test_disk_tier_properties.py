@@ -36,10 +36,19 @@ class MeasuringFileSystem(LocalFileSystem):
         self._lock = threading.Lock()
 
     def _measure(self) -> None:
-        total = sum(path.stat().st_size for path in self.root.glob("entries/*/*")
+        total = sum(self._size(path) for path in self.root.glob("entries/*/*")
                     if path.name.endswith((ENTRY_SUFFIX, TEMP_SUFFIX)))
         with self._lock:
             self.max_bytes = max(self.max_bytes, total)
+
+    @staticmethod
+    def _size(path: Path) -> int:
+        # a flush on another thread may unlink the file between the glob and the stat: it then
+        # holds no bytes (raising here would count as the tier's write error)
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return 0
 
     def write_atomic(self, path, chunks) -> None:
         chunks = list(chunks)
