@@ -89,7 +89,7 @@ BENCHMARKS = (
               "python benchmarks/hit_rate_sweep.py --tier-compare --counts 32 --num-slots 2000 --min-tokens 250 "
               "--max-tokens 500 --turns 3 --max-output-tokens 8 --dtype auto",
               "Goals: 4K load >= 20x prefill, decode p99 <= 1.2x, 90% reuse after SIGKILL, 4/32 pool <= 1.2x.",
-              "`--dtype auto`, load 1-2 (tier_restart.py: float32, load 11-12).",
+              "`--dtype auto` (tier_restart.py: float32), load 1-2.",
               (r"^load warm", r"^decode p99", r"^(after|replies)", r"^small pool, no tier,",
                r"^small pool \+ disk tier,")),
     Benchmark("match_cost", "Session matching at scale: 1,000 sessions, 8K and 128K prompts", "session matching",
