@@ -354,7 +354,10 @@ class CacheManager:
             self.tier.has_states(key) for key, end in zip(found.keys, found.ends) if end > start)
         if session_key is None and found.length <= cached.length and not states_beyond:
             return None
-        return ReadPlan(name, tuple(ids), start, session_key, req.session_id)
+        # attention-only: the chain is read from the prompt's start, not from the tree's match now,
+        # since until admission the tree may evict part of that match (a chain from there would
+        # then not continue what is left of it, and none of it could be used)
+        return ReadPlan(name, tuple(ids), 0 if self.states is None else start, session_key, req.session_id)
 
     def _load_from_tier(self, req: Req, ids: Sequence[int], match: PrefixMatch) -> PrefixMatch:
         """`match` extended by the entries the reader thread read for `req` (`extend_from_entries`).
@@ -387,10 +390,13 @@ class CacheManager:
             if entry.end_pos <= covered:
                 held += [entry] if self.states is not None and _tokens_equal(entry, ids) else []
                 continue
-            if entry.start_pos > covered or not _tokens_equal(entry, ids):
+            # attention-only: an entry running past `ids` (the match leaves the last min_computed
+            # tokens to compute) gives its K/V up to there; a hybrid's only with the state at its end
+            end = entry.end_pos if self.states is not None else min(entry.end_pos, len(ids))
+            if entry.start_pos > covered or end <= covered or not _tokens_equal(entry, ids, end):
                 break
-            pieces.append((entry, covered, entry.end_pos))
-            covered = entry.end_pos
+            pieces.append((entry, covered, end))
+            covered = end
         restored = sum(self._load_checkpoint(ids, namespace, entry) for entry in held)
         if not pieces:
             return self.radix.match_prefix(ids, namespace) if restored else match
@@ -620,9 +626,10 @@ class CacheManager:
             self.states.check_integrity(cached=self.radix.num_checkpoints(), in_use=held + private_states)
 
 
-def _tokens_equal(entry: TierEntry, ids: Sequence[int]) -> bool:
-    """Whether `entry`'s token ids are `ids[:entry.end_pos]` (checked again on the engine thread:
-    the entry was read for this prompt, but may be held across a preemption)."""
-    if entry.end_pos > len(ids):
+def _tokens_equal(entry: TierEntry, ids: Sequence[int], end: int | None = None) -> bool:
+    """Whether `entry`'s token ids up to `end` (its end_pos when None) are `ids[:end]` (checked again
+    on the engine thread: the entry was read for this prompt, but may be held across a preemption)."""
+    end = entry.end_pos if end is None else end
+    if end > len(ids):
         return False
-    return bool(torch.equal(entry.token_ids, torch.as_tensor(ids[: entry.end_pos], dtype=torch.int64)))
+    return bool(torch.equal(entry.token_ids[:end], torch.as_tensor(ids[:end], dtype=torch.int64)))

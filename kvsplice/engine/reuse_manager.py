@@ -179,6 +179,10 @@ class ReuseManager:
         not be before) are done. True without a tier."""
         if self.cache.reads is None:
             return True
+        if req.tier_reads_started and not self.cache.reads.holds(req.rid):
+            # queued with nothing to read (the tree held its prefix then): the tree may have evicted
+            # part of it since, into the tier, so look again (index look-ups only)
+            req.tier_reads_started = False
         self.start_tier_reads(req)
         return req.tier_reads_started and self.cache.reads.ready(req.rid)
 

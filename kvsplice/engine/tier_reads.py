@@ -121,6 +121,10 @@ class TierReads:
         self._reads[rid] = self._executor.submit(read, self.tier, plan)
         return True
 
+    def holds(self, rid: str) -> bool:
+        """Whether a read was started for `rid` (running or done) and not dropped."""
+        return rid in self._reads
+
     def ready(self, rid: str) -> bool:
         """Whether `rid` has no read still running."""
         future = self._reads.get(rid)

@@ -9,6 +9,7 @@ import errno
 import pytest
 
 from kvsplice.engine.request import ReqStatus
+from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 from tests.cache.tier_helpers import FailingFileSystem, GatedReadFileSystem, prompt_ids
 from tests.engine.test_disk_tier_engine import GREEDY, assert_same_output, cold, tiered_llm
@@ -127,5 +128,30 @@ def test_a_request_with_nothing_on_disk_never_waits_for_others_reads(model_dir, 
         outputs += engine.step()
     [final] = [out for out in outputs if out.rid == loading and out.finished]
     assert final.reuse.disk_tokens >= 256
+    engine.check_integrity()
+    engine.close()
+
+
+def test_a_prefix_the_tree_evicts_while_the_request_waits_comes_back_from_the_tier(model_dir, tmp_path):
+    """Queued while the tree still holds its history (nothing to read then), the request finds the
+    history evicted by the time it is admitted: it looks again, waits for the read and loads the
+    history from disk instead of prefilling it, and answers as exact recompute (fp32)."""
+    history = prompt_ids(300, seed=50)
+    # SCR off: a session would keep its history locked in the tree
+    llm = tiered_llm(model_dir, tmp_path / "tier", num_slots=BIG_POOL, reuse=ReuseConfig(enabled=False))
+    engine = llm.engine
+    llm.generate([history], GREEDY)
+    engine.cache.tier.wait_writes()
+    prompt = history + prompt_ids(10, seed=51)
+    rid = engine.add_request(prompt, GREEDY, rid="returning")
+    assert not engine.cache.reads.holds(rid)                 # the tree held it: nothing to read
+    engine.cache.radix.evict(BIG_POOL)                        # before its admission, the tree lets it go
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    [final] = [out for out in outputs if out.rid == rid and out.finished]
+    assert final.reuse.disk_tokens >= 256
+    tokens = [t for out in outputs if out.rid == rid for t in out.new_token_ids]
+    assert tokens == cold(model_dir, prompt).token_ids
     engine.check_integrity()
     engine.close()
