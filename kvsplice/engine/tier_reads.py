@@ -6,12 +6,13 @@ thread; the request waits in the queue meanwhile (not the engine: every other re
 decoding), and only the copy into the pool runs on the engine thread, at admission:
 
     engine thread                                     reader thread ("kv-tier-loads")
-    add_request ─ start(): radix match length L,      read(): tier.match_prefix(prompt, from L),
-                  tier index look-ups (no I/O) ─────>  tier.get() each entry of the chain (file
+    add_request ─ start(): radix match length L,      read(): tier.match_prefix(prompt, from 0;
+                  tier index look-ups (no I/O) ─────>  a hybrid: from L), tier.get() each entry (file
                                                        read + XXH3 + token ids verified) into
                                                        host memory; a named session's entry and
                                                        the chain of its exact part likewise
     step: admission passes over the request ...       ... until the Future is done
+          (queued with nothing to read: planned again, the tree may have evicted its prefix)
     admission: result(req) ─ kv_into_pool (CacheManager.extend_from_entries) ─ radix insert
     finish / abort / admitted: drop(req)
 
