@@ -20,11 +20,17 @@ the full layers, `full_rotary`) and every other all-layer reader sees. `k_layer(
 give layer i's tensor in its own slot space; a forward writes and reads sliding layers through
 `translate(batch)`, the same batch in window slots.
 
-Which tokens keep their window (`WindowKeep`, the CacheManager trims by it):
+Which tokens need their window (`WindowKeep`, the CacheManager trims by it):
 
     offsets   0 ......... b-W [ b: checkpoint ) ......... c-W [ computed_len = c ) ... pending
-    window    dropped     |kept |  dropped                    |kept (the next query's window)|
-    finished  dropped ... |kept at checkpoints b| ........ |kept: the last tail_keep of the sequence|
+    window    spare       |kept |  spare                      |kept (the next query's window)|
+    finished  spare ..... |kept at checkpoints b| ........ |kept: the last tail_keep of the sequence|
+
+A spare window (`mark_spare`) is one no query still to be computed reads: it stays as a cache while
+window slots are free (SCR relocates it instead of computing its token again, a prefix hit reads
+it) and is given back, the longest-spare first, when a chunk finds no free window slot
+(`drop_spare`, never a window a running request still reads). So a request needs only its windows
+(the memory of a 32K-token request), while the spare room keeps edited transcripts cheap to reuse.
 
 A prefix is usable only up to a length m whose preceding W - 1 tokens all have their window
 (`usable_prefix`): a query at position m attends to (m - W, m] on sliding layers.
@@ -112,6 +118,9 @@ class WindowedKVPool:
         self.window_v = torch.zeros_like(self.window_k)
         self.window_of = torch.zeros(num_slots, dtype=torch.int64)
         self.has_window = torch.zeros(num_slots, dtype=torch.bool)
+        # when a kept window became spare (`mark_spare`), by a counter; -1: not spare
+        self.spare_since = torch.full((num_slots,), -1, dtype=torch.int64)
+        self._spare_count = 0
         full_k, full_v = self.k.unbind(0), self.v.unbind(0)
         win_k, win_v = self.window_k.unbind(0), self.window_v.unbind(0)
         self._k_layers = [None] * len(layer_windows)
@@ -160,7 +169,32 @@ class WindowedKVPool:
         if held.numel():
             self.window_allocator.free(self.window_of[held])
             self.has_window[held] = False
+            self.spare_since[held] = -1
         return int(held.numel())
+
+    def mark_spare(self, slots: torch.Tensor) -> int:
+        """Keep the windows of those of `slots` that have one although no query still to be computed
+        reads them: a cache (SCR relocates them, a later prefix hit reads them), given back by
+        `drop_spare` when window slots run short. Returns how many became spare."""
+        fresh = slots[self.has_window[slots] & (self.spare_since[slots] < 0)].unique()
+        self._spare_count += 1
+        self.spare_since[fresh] = self._spare_count
+        return int(fresh.numel())
+
+    def drop_spare(self, count: int, keep: torch.Tensor) -> int:
+        """Give back up to `count` spare windows, those marked spare longest ago first, except the
+        full slots `keep` marks (`[num_slots]` bool: windows a running request still reads).
+        Returns how many were freed."""
+        spare = (self.spare_since >= 0) & ~keep
+        candidates = torch.nonzero(spare).flatten()
+        if count <= 0 or candidates.numel() == 0:
+            return 0
+        oldest = candidates[torch.argsort(self.spare_since[candidates], stable=True)[:count]]
+        return self.drop_window(oldest)
+
+    def spare_windows(self) -> int:
+        """How many window slots hold spare windows (`mark_spare`)."""
+        return int((self.spare_since >= 0).sum())
 
     def _release_windows(self, released: torch.Tensor) -> None:
         """The full allocator's hook: slots back on the free list lose their window too."""

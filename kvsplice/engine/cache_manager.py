@@ -52,15 +52,17 @@ only the copy into the pool (`extend_from_entries`) runs on the engine thread.
 Windowed pool (`kvsplice.cache.window_pool`, models with sliding-window and full layers): a
 token's sliding-layer K/V lives in a window slot its full slot carries. Window slots are taken just
 before a forward writes the token (`ensure_window`, from the scheduler's chunks and `grow`) and
-given back as the token leaves every window still to be read (`trim_window`, after each step):
+marked spare as the token leaves every window still to be read (`trim_window`, after each step);
+spare windows stay as a cache until a chunk finds no free window slot, then the longest-spare are
+given back first (never one a running request reads), before any radix leaf is evicted:
 
     offsets  0 .. prefix_len (tree's) | own: ... b-W [b) ..........  c - tail_keep [ c = computed ) pending
     window   as the tree keeps them   | trimmed  |kept|  trimmed     |kept: the window of c, and the
                                       |          (checkpoint b)      | tail a finished sequence keeps|
 
-so a running request holds window slots for about tail_keep + its chunk + its checkpoints, and a
-finished one enters the tree with its windows at message-boundary checkpoints (`WindowKeep`) and
-at its end. A prefix hit is cut back to the longest length whose preceding W - 1 tokens kept their
+so a running request needs window slots for about tail_keep + its chunk + its checkpoints, and a
+finished one enters the tree needing its windows only at message-boundary checkpoints (`WindowKeep`)
+and at its end (the others stay while spare room lasts). A prefix hit is cut back to the longest length whose preceding W - 1 tokens kept their
 windows (`usable_prefix`); the rest is computed again. The disk tier is not used with this pool (its
 entries hold every layer of every token).
 
@@ -167,6 +169,8 @@ class CacheManager:
         # reads of queued requests, off the engine thread (kvsplice.engine.tier_reads)
         self.reads = TierReads(self.tier, self.tier.config.max_prefetches) if self.tier is not None else None
         self.release_over_share: Callable[[], bool] = lambda: False
+        # the running requests (the Engine sets it): their windows are never given back for room
+        self.running: Callable[[], Sequence[Req]] = lambda: ()
         self.windows = pool if isinstance(pool, WindowedKVPool) else None
         self.window_keep = (WindowKeep(pool.window, tail_keep=2 * pool.window)
                             if self.windows is not None else None)
@@ -238,21 +242,39 @@ class CacheManager:
             return match
         return self.radix.match_prefix(ids[:usable], namespace)
 
-    def ensure_window(self, req: Req, offsets: Sequence[int]) -> bool:
-        """Window slots for `req`'s `offsets` (about to be computed), evicting unlocked radix leaves
-        for room; True without a windowed pool; False (nothing taken) when still short."""
+    def ensure_window(self, req: Req, offsets: Sequence[int], keep: torch.Tensor | None = None) -> bool:
+        """Window slots for `req`'s `offsets` (about to be computed); when short, spare windows are
+        given back first (oldest first; never one a running request, `req` or the full slots `keep`
+        still read), then unlocked radix leaves are evicted. True without a windowed pool; False
+        (nothing taken) when still short."""
         if self.windows is None:
             return True
         slots = req.seq_slots[torch.as_tensor(list(offsets), dtype=torch.int64)]
         if self.windows.ensure_window(slots):
             return True
+        needed = self._windows_read([*self.running(), req])
+        if keep is not None:
+            needed[keep] = True
+        self.windows.drop_spare(int(slots.numel()) - self.windows.window_allocator.num_free, needed)
+        if self.windows.ensure_window(slots):
+            return True
         self.radix.evict(int(slots.numel()))
         return self.windows.ensure_window(slots)
 
+    def _windows_read(self, reqs: Sequence[Req]) -> torch.Tensor:
+        """Bool per full slot: the windows some of `reqs` may still read (from W before its first
+        offset still to compute to its end; prefix slots the tree shares included)."""
+        needed = torch.zeros(self.windows.num_slots, dtype=torch.bool)
+        for req in reqs:
+            if req.seq_slots is not None:
+                needed[req.seq_slots[max(0, self.computed_len(req) - self.windows.window):req.num_slotted]] = True
+        return needed
+
     def trim_window(self, req: Req) -> int:
-        """Give back the window slots of `req`'s own tokens that left every window still to be read:
+        """Mark spare the windows of `req`'s own tokens that left every window still to be read:
         own offsets below computed_len - tail_keep, except the windows of its checkpoints (see the
-        module diagram). Incremental (`req.window_trimmed`). Returns how many were freed."""
+        module diagram). Spare windows stay as a cache until `ensure_window` is short of room.
+        Incremental (`req.window_trimmed`). Returns how many became spare."""
         if self.windows is None or req.seq_slots is None:
             return 0
         keep = self.window_keep
@@ -269,7 +291,7 @@ class CacheManager:
             if lo < hi:
                 dropped[lo - start: hi - start] = False
         req.window_trimmed = limit
-        return self.windows.drop_window(req.seq_slots[start:limit][dropped])
+        return self.windows.mark_spare(req.seq_slots[start:limit][dropped])
 
     # ----- the disk tier -----------------------------------------------------------------
     def _spill(self, namespace: Hashable, token_ids: Sequence[int], start: int, slots: torch.Tensor,

@@ -159,6 +159,7 @@ class Engine:
                                   window_rotary=window_rotary(model, pool),
                                   failpoints=failpoints, message_starts=MessageStarts(tokenizer))
         self.scheduler = Scheduler(config, self.cache)
+        self.cache.running = lambda: self.scheduler.running
         self.runner = ModelRunner(model, pool, states, config, self.scheduler.budget, failpoints=failpoints,
                                   decode_builder=decode_builder)
         # a prompt served from the prefix cache computes its last tokens with the bits a cold prefill

@@ -463,7 +463,8 @@ class ReuseManager:
         offsets = torch.nonzero(needed).flatten()
         if offsets.numel():
             dst = req.seq_slots[offsets]
-            if not self.cache.ensure_window(req, offsets.tolist()):
+            # the sources are kept while room is made: their windows are copied next
+            if not self.cache.ensure_window(req, offsets.tolist(), keep=src_slot[offsets]):
                 raise RuntimeError("the window pool has no room for the relocated sliding-layer K/V")
             rotary = None if scr.cfg.no_rerotate else self.window_rotary
             pool.relocate_window(src_slot[offsets], dst, src_pos[offsets], offsets, rotary)

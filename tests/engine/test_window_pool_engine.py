@@ -91,8 +91,8 @@ def test_long_prompt_greedy_and_prompt_logprobs_equal_the_full_layout(tiny_path,
         expected = float(reference[offset - 1, prompt[offset]])
         assert abs(scored.prompt_logprobs[offset].logprob - expected) <= TOL
     pool = llm.engine.cache.pool
-    # the cache keeps the two finished sequences' tails (2 W each), nothing else of 120+ tokens
-    assert pool.window_allocator.num_used <= 2 * (2 * WINDOW)
+    # the cache keeps the two finished sequences' tails (2 W each); the rest of 120+ tokens is spare
+    assert pool.window_allocator.num_used - pool.spare_windows() <= 2 * (2 * WINDOW)
     llm.engine.check_integrity()
 
 
@@ -108,16 +108,34 @@ def test_batched_decode_over_arena_rings_equals_the_full_layout(tiny_path, full_
 
 
 def test_peak_window_use_of_a_running_request_is_bounded(tiny_path):
-    """While a long prompt prefills, its sliding K/V never exceeds tail_keep + one chunk."""
+    """While a long prompt prefills, the sliding K/V it still needs never exceeds tail_keep + one
+    chunk; the rest is spare (a cache given back when room runs short)."""
     llm = _llm(tiny_path, prefix_cache=False)
     engine = llm.engine
     engine.add_request(_ids(160, 2), GREEDY)
     peak = 0
     while engine.has_work():
         engine.step()
-        peak = max(peak, engine.cache.pool.window_allocator.num_used)
+        pool = engine.cache.pool
+        peak = max(peak, pool.window_allocator.num_used - pool.spare_windows())
     assert peak <= 2 * WINDOW + 16
     assert engine.cache.pool.window_allocator.num_used == 0   # nothing cached: every window given back
+
+
+def test_spare_windows_are_given_back_when_room_runs_short(tiny_path, full_layout):
+    """Window slots for about two running requests: long prompts one after another fill them with
+    spare windows, which are given back (oldest first) for the next chunks, so every prompt is
+    served, equal to the full layout, and the pool stays consistent."""
+    llm = _llm(tiny_path, num_slots=600, max_running=1)
+    pool = llm.engine.cache.pool
+    for seed in range(5):
+        prompt = _ids(150, 40 + seed)
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=0,
+                                                    ignore_eos=True))[0]
+        _assert_matches_full_layout(out, prompt, full_layout)
+        llm.engine.check_integrity()
+    # 5 x 150 tokens were computed, far more than the window slots: spare ones were given back
+    assert pool.window_slots < 5 * 150 and pool.window_allocator.num_used <= pool.window_slots
 
 
 def test_prefix_hit_after_a_finished_request_is_exact(tiny_path, full_layout):
@@ -156,6 +174,7 @@ def test_scr_edit_on_a_sliding_model_stays_within_the_relocation_bound(tiny_path
     # by layer type: the sliding layers moved only what a computed token's window reads (fewer than
     # the full layers: 64 notes + 40 tail tokens are relocated, the windows are 8 wide)
     assert 0 < stats.window_relocated < stats.relocated_tokens
+    assert stats.window_recomputed == 0   # with room, turn 1's windows were kept (spare), none is computed
     assert llm.engine.counters.window_relocated == stats.window_relocated
     assert llm.engine.counters.window_recomputed == stats.window_recomputed
     exact = _llm(tiny_path, prefix_cache=False).generate([turn2], params)[0]
