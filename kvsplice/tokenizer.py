@@ -115,23 +115,29 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
     def render_chat(
-        self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True
+        self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
     ) -> str:
-        """The chat template applied to `messages` (and `tools`), as text.
+        """The chat template applied to `messages` (and `tools`), as text: `chat_template` (Jinja
+        source, as `--chat-template` gives) in place of the model's own where given.
 
-        ValueError if the model has no chat template or the template rejects the messages.
+        ValueError if there is no template to apply or the template rejects the messages.
         """
-        if not self.has_chat_template:
+        if isinstance(self.backend, Llama2cBPE) or not (chat_template or self.has_chat_template):
             raise ValueError("this model has no chat template; use the completions endpoint with a raw prompt")
         try:
             return self.backend.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+                chat_template=chat_template,
             )
         except Exception as error:  # jinja2 raises TemplateError subclasses and plain exceptions
             raise ValueError(f"the chat template rejected the messages: {error}") from error
 
     def apply_chat_template(
-        self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True
+        self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
     ) -> list[int]:
-        """Token ids of the rendered chat; the template itself supplies any BOS/special tokens."""
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt), add_special_tokens=False)
+        """Token ids of the rendered chat (`render_chat`); the template itself supplies any
+        BOS/special tokens."""
+        text = self.render_chat(messages, tools, add_generation_prompt, chat_template)
+        return self.encode(text, add_special_tokens=False)

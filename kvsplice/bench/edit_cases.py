@@ -29,10 +29,11 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from kvsplice.bench.trace import UNEDITED_KINDS
-from kvsplice.bench.workload import SYSTEM_PROMPT, Document, generate_traces, load_corpus, take_words
+from kvsplice.bench.workload import (SYSTEM_PROMPT, Document, estimate_tokens, generate_traces, load_corpus,
+                                      take_words)
 
 REPLY_PLACEHOLDER = "<<turn 1 reply>>"
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -114,25 +115,65 @@ def _insert_note(messages: list[dict[str, Any]], at: int) -> list[dict[str, Any]
     return messages[:at] + [note] + messages[at:]
 
 
+# the built-in cases' edits, in their order: each takes turn 1's messages plus the reply placeholder
+_EDITS = {
+    "delete_tool_result": lambda m: _delete_result(m, _tool_offsets(m)[1]),
+    "replace_with_note": lambda m: _replace_with_note(m, _tool_offsets(m)[1]),
+    "strip_reasoning": _strip_reasoning,
+    "insert_note": lambda m: _insert_note(m, _tool_offsets(m)[1] + 1),
+    "two_edits": lambda m: _replace_with_note(_delete_result(m, _tool_offsets(m)[2]), _tool_offsets(m)[0]),
+}
+
+
 def builtin_cases(seed: int = 0) -> list[EditCase]:
     """The five built-in cases (delete a tool result, replace one by a note, strip reasoning, insert a
     note, two edits at once) on 1.5K-4K-token chats; deterministic for `seed` on a Python build."""
     corpus = load_corpus()
-    edits = (
-        ("delete_tool_result", lambda m: _delete_result(m, _tool_offsets(m)[1])),
-        ("replace_with_note", lambda m: _replace_with_note(m, _tool_offsets(m)[1])),
-        ("strip_reasoning", _strip_reasoning),
-        ("insert_note", lambda m: _insert_note(m, _tool_offsets(m)[1] + 1)),
-        ("two_edits", lambda m: _replace_with_note(_delete_result(m, _tool_offsets(m)[2]), _tool_offsets(m)[0])),
-    )
     cases = []
-    for number, (name, edit) in enumerate(edits):
+    for number, (name, edit) in enumerate(_EDITS.items()):
         rng = random.Random(f"kvsplice-fidelity:{seed}:{number}")
         turn1 = _agent_turn1(rng, corpus, n_steps=5, result_words=rng.randint(220, 420))
         turn2 = edit(turn1 + [{"role": "assistant", "content": REPLY_PLACEHOLDER}])
         turn2 = turn2 + [{"role": "user", "content": FOLLOW_UP}]
         cases.append(EditCase(name, tuple(turn1), tuple(turn2)))
     return cases
+
+
+LONG_CASE_EDITS = ("delete_tool_result", "replace_with_note", "insert_note", "strip_reasoning")
+
+
+def long_cases(tokens: int, seed: int = 0, kinds: tuple[str, ...] = LONG_CASE_EDITS,
+               count: Callable[[list[dict[str, Any]]], int] = estimate_tokens) -> list[EditCase]:
+    """One case per edit kind of `kinds` (the built-in cases' edits) on an agent chat of at most
+    `tokens` tokens by `count` (default `estimate_tokens`; a model's tokenizer and template for exact
+    sizes): turn 1 grows step by step while turn 2 (turn 1, the reply placeholder, the edit and the
+    question) stays within `tokens`. Named "{kind}-{tokens}". The edit hits the second tool result, as
+    in the built-in cases, so almost all of the context after it is relocated. Deterministic for `seed`."""
+    unknown = [kind for kind in kinds if kind not in _EDITS]
+    if unknown:
+        raise ValueError(f"unknown edit kind(s) {unknown}; known: {sorted(_EDITS)}")
+    corpus = load_corpus()
+    cases = []
+    for number, kind in enumerate(kinds):
+        rng = random.Random(f"kvsplice-fidelity-long:{seed}:{tokens}:{number}")
+        case = None
+        for turn1 in _growing_turn1(rng, corpus):
+            turn2 = _EDITS[kind](turn1 + [{"role": "assistant", "content": REPLY_PLACEHOLDER}])
+            turn2.append({"role": "user", "content": FOLLOW_UP})
+            if case is not None and count(turn2) > tokens:
+                break
+            case = EditCase(f"{kind}-{tokens}", tuple(turn1), tuple(turn2))
+        cases.append(case)
+    return cases
+
+
+def _growing_turn1(rng: random.Random, corpus: tuple[Document, ...]) -> Iterator[list[dict[str, Any]]]:
+    """`_agent_turn1`'s chat of three steps (the edits hit the second result and leave one after it),
+    then one step longer each time (tool results of 220..420 words), without end."""
+    messages = _agent_turn1(rng, corpus, n_steps=3, result_words=rng.randint(220, 420))
+    while True:
+        yield list(messages)
+        messages += _agent_turn1(rng, corpus, n_steps=1, result_words=rng.randint(220, 420))[3:]
 
 
 def workload_cases(seed: int, conversations: int = 8, min_tokens: int = 2000, max_tokens: int = 4000,

@@ -41,6 +41,7 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine
 from kvsplice.engine.llm import LLM, GenerationResult, build_engine
 from kvsplice.engine.request import Namespace
+from kvsplice.message_offsets import message_offsets
 from kvsplice.reuse.config import ReuseConfig
 from kvsplice.sampling_params import SamplingParams
 
@@ -157,15 +158,17 @@ FP8_ANCHORS = ((ANCHOR_LABEL, lambda x: fp8_round_trip(x)),
 
 
 # ----- running ------------------------------------------------------------------------------
-def turn1_prompt(tokenizer, case: EditCase) -> list[int]:
-    """Turn 1's prompt ids of `case` (chat template, generation prompt added)."""
-    return tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True)
+def turn1_prompt(tokenizer, case: EditCase, chat_template: Optional[str] = None) -> list[int]:
+    """Turn 1's prompt ids of `case` (the model's chat template, or `chat_template`; generation
+    prompt added)."""
+    return tokenizer.apply_chat_template(list(case.turn1), add_generation_prompt=True, chat_template=chat_template)
 
 
-def turn2_prompt(tokenizer, case: EditCase, reply: str) -> list[int]:
+def turn2_prompt(tokenizer, case: EditCase, reply: str, chat_template: Optional[str] = None) -> list[int]:
     """Turn 2's prompt ids of `case` with turn 1's reply `reply` in its placeholder, then the
     case's answer prefix (when it has one)."""
-    ids = tokenizer.apply_chat_template(fill_reply(case.turn2, reply), add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(fill_reply(case.turn2, reply), add_generation_prompt=True,
+                                        chat_template=chat_template)
     if case.answer_prefix:
         ids += tokenizer.encode(case.answer_prefix, add_special_tokens=False)
     return ids
@@ -184,10 +187,15 @@ class Harness:
     """
 
     def __init__(self, model: Optional[str] = None, gen_tokens: int = 32, base: Optional[ReuseConfig] = None,
-                 dtype: str = "float32"):
-        self.reference = build_engine(EngineConfig(model=model, prefix_cache=False, num_slots=POOL_SLOTS,
+                 dtype: str = "float32", chat_template: Optional[str] = None, max_prompt_tokens: int = 0):
+        """`chat_template`: Jinja source rendering the cases' messages in place of the model's own
+        (a base model has none); `max_prompt_tokens`: the longest prompt a case will have, when
+        above the reference pool's default POOL_SLOTS."""
+        slots = max(POOL_SLOTS, max_prompt_tokens + gen_tokens + LOGIT_POSITIONS + 64)
+        self.reference = build_engine(EngineConfig(model=model, prefix_cache=False, num_slots=slots,
                                                    dtype=dtype))   # every engine shares its Decoder's dtype
         self.tokenizer = self.reference.tokenizer
+        self.chat_template = chat_template
         self.gen_tokens = gen_tokens
         self.base = base or ReuseConfig()
         self._exact_cache: dict[tuple[int, ...], GenerationResult] = {}
@@ -240,15 +248,29 @@ class Harness:
             engine.flush_cache()   # keeps the locked head, drops what the last positions added
         return results
 
+    def turn1_ids(self, case: EditCase) -> list[int]:
+        """Turn 1's prompt of `case`, rendered with the harness's chat template."""
+        return turn1_prompt(self.tokenizer, case, self.chat_template)
+
+    def offsets(self, messages: Sequence[dict], prompt_ids: list[int]) -> list[int]:
+        """Where `messages` start in `prompt_ids` (their rendering with the generation prompt), as
+        the server passes them with a chat request (`kvsplice.message_offsets`): the engine keeps
+        checkpoints there (sliding-window K/V, hybrid states)."""
+        def render(prefix, add_generation_prompt):
+            return self.tokenizer.render_chat(list(prefix), None, add_generation_prompt, self.chat_template)
+        return message_offsets(self.tokenizer, messages, prompt_ids, render=render)
+
     def turn2_ids(self, llm: LLM, setting: Setting, case: EditCase) -> tuple[list[int], GenerationResult]:
         """Turn 1 of `case` under `setting` in its session; returns turn 2's prompt and the SCR turn 2."""
         scr = setting.request_scr()
         session_id = f"{case.name}/{setting.label}"
-        turn1_ids = turn1_prompt(self.tokenizer, case)
-        first = llm.generate([turn1_ids], self._params(TURN1_REPLY_TOKENS), session_id=session_id, scr=scr)[0]
-        turn2_ids = turn2_prompt(self.tokenizer, case, first.text)
+        turn1_ids = self.turn1_ids(case)
+        first = llm.generate([turn1_ids], self._params(TURN1_REPLY_TOKENS), session_id=session_id, scr=scr,
+                             message_offsets=[self.offsets(case.turn1, turn1_ids)])[0]
+        turn2_ids = turn2_prompt(self.tokenizer, case, first.text, self.chat_template)
+        offsets = self.offsets(fill_reply(case.turn2, first.text), turn2_ids)
         second = llm.generate([turn2_ids], self._params(self.gen_tokens), session_id=session_id, scr=scr,
-                              keep_last_logits=LOGIT_POSITIONS)[0]
+                              keep_last_logits=LOGIT_POSITIONS, message_offsets=[offsets])[0]
         llm.engine.flush_cache()
         return turn2_ids, second
 
@@ -270,7 +292,7 @@ class Harness:
     def case_outputs(self, case: EditCase, settings: Sequence[Setting]) -> list[tuple[list[int], GenerationResult]]:
         """Turn 2's prompt and SCR result under every setting of `case`, on one fresh engine per
         value of `no_rerotate` (see the class docstring)."""
-        turn1_ids = turn1_prompt(self.tokenizer, case)
+        turn1_ids = self.turn1_ids(case)
         llms: dict[bool, LLM] = {}
         locked = []
         try:
@@ -278,7 +300,8 @@ class Harness:
             for setting in settings:
                 if setting.no_rerotate not in llms:
                     llm = llms[setting.no_rerotate] = LLM(engine=self.case_engine(len(turn1_ids), setting.no_rerotate))
-                    llm.generate([turn1_ids], self._params(1))  # prefill turn 1's prompt once
+                    # prefill turn 1's prompt once
+                    llm.generate([turn1_ids], self._params(1), message_offsets=[self.offsets(case.turn1, turn1_ids)])
                     radix = llm.engine.cache.radix
                     locked.append((radix, radix.match_prefix(turn1_ids, NO_NAMESPACE).node))
                     radix.lock(locked[-1][1])

@@ -11,17 +11,18 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kvsplice.bench.edit_cases import (CasesFileError, EditCase, builtin_cases, leaves_content_to_relocate,
-                                       load_cases, workload_cases)
+from kvsplice.bench.edit_cases import (LONG_CASE_EDITS, CasesFileError, EditCase, builtin_cases,
+                                       leaves_content_to_relocate, load_cases, long_cases, workload_cases)
 from kvsplice.bench.fact_cases import KINDS, fact_cases, fact_settings, facts_table, run_facts, select_facts
 from kvsplice.bench.fidelity import (BASE_K, BASE_TAIL, DEFAULT_FRONT_TAILS, DEFAULT_KL_TARGET, DEFAULT_SEAMS,
-                                     DEFAULT_WORST_TARGET, LOGIT_POSITIONS, Harness, Setting, case_table,
-                                     front_settings, markdown_table, run_sweep, sweep_settings)
+                                     DEFAULT_WORST_TARGET, LOGIT_POSITIONS, TURN1_REPLY_TOKENS, Harness, Setting,
+                                     case_table, front_settings, markdown_table, run_sweep, sweep_settings)
 from kvsplice.bench.fidelity_front import choose_default, front_table, pareto
+from kvsplice.bench.workload import estimate_tokens
 from kvsplice.reuse.config import ReuseConfig
 
 
@@ -123,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload-seed", type=int, default=None,
                         help="use fresh cases from the workload generator with this seed instead")
     parser.add_argument("--workload-conversations", type=int, default=8, help="conversations to draw cases from")
+    parser.add_argument("--long-cases", type=_number_list(int), default=None,
+                        help="use the built-in edits (delete, replace, insert a note, strip reasoning) on agent chats "
+                             "of about these many tokens instead, comma-separated (e.g. 8192,16384,32768)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (file or text) rendering the cases, in place of the model's "
+                             "own (a base model has none), as `kvsplice serve --chat-template`")
+    parser.add_argument("--default-only", action="store_true",
+                        help="run only the setting `kvsplice serve` uses by default (and the fp8 anchors), "
+                             "no sweep")
     parser.add_argument("--case", type=_name_list, default=None, help="only these case names (comma-separated; facts task: question names, "
                              "e.g. delete_result-0)")
     parser.add_argument("--relocating", action="store_true",
@@ -183,13 +193,31 @@ def _check_args(args) -> Optional[str]:
         return "every seam length must lie in [0, 4096]"
     if any(not 0 <= n <= 64 for n in args.openings):
         return "every --openings count must lie in [0, 64]"
+    if args.task == "facts" and (args.long_cases or args.chat_template is not None or args.default_only):
+        return "--long-cases, --chat-template and --default-only apply to the edits task only"
+    if any(not 1024 <= n <= 1_048_576 for n in args.long_cases or []):
+        return "every --long-cases length must lie in [1024, 1048576]"
     return None
+
+
+def load_template(args) -> Optional[str]:
+    """--chat-template's Jinja source (None without one); ValueError when it is neither a file nor a
+    valid template."""
+    if args.chat_template is None:
+        return None
+    from kvsplice.server.chat import load_chat_template   # (jinja2 validation, as `kvsplice serve`)
+    return load_chat_template(args.chat_template)
 
 
 def load_edit_cases(args) -> list[EditCase]:
     """The cases the arguments name; CasesFileError / OSError / ValueError on bad ones."""
     if args.cases:
         cases = load_cases(args.cases)
+    elif args.long_cases:
+        # built by `run_dtype`, sized with the model's tokenizer and template; names checked now
+        names = [f"{kind}-{tokens}" for tokens in args.long_cases for kind in LONG_CASE_EDITS]
+        select_cases([EditCase(name, (), ()) for name in names], args.case, None)
+        return []
     elif args.workload_seed is not None:
         cases = workload_cases(args.workload_seed, conversations=args.workload_conversations)
     else:
@@ -212,15 +240,13 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
         return facts_main(args)
     try:
         cases = load_edit_cases(args)
+        args.template = load_template(args)
     except (CasesFileError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
-    front = front_settings(tails=args.front_tails, seams=args.seams, removed_seams=args.removed_seams,
-                           openings=args.openings)
-    settings += [st for st in front if st.label not in {s.label for s in settings}]
+    settings = chosen_settings(args)
     by_dtype = {}
     for dtype in args.dtype:
         # one directory per dtype when there are several
@@ -234,10 +260,44 @@ def fidelity_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def sized_long_cases(harness: Harness, lengths: Sequence[int]) -> list[EditCase]:
+    """`long_cases` of every length in `lengths`, sized in the harness model's tokens (its tokenizer
+    and chat template), with room left in turn 2 for turn 1's reply (TURN1_REPLY_TOKENS) and the
+    generated tokens; named "{kind}-{length}"."""
+    def count(messages) -> int:
+        return len(harness.tokenizer.apply_chat_template(messages, chat_template=harness.chat_template))
+    room = TURN1_REPLY_TOKENS + harness.gen_tokens
+    return [replace(case, name=f"{case.name.rsplit('-', 1)[0]}-{tokens}")
+            for tokens in lengths for case in long_cases(tokens - room, count=count)]
+
+
+def chosen_settings(args) -> list[Setting]:
+    """The settings the arguments sweep: with --default-only the server's default alone; else the
+    K / tail sweep (when --k or --tails) and the selective-recompute front."""
+    if args.default_only:
+        return [default_setting()]
+    settings = sweep_settings(args.k or [0, BASE_K], args.tails or [BASE_TAIL]) if args.k or args.tails else []
+    front = front_settings(tails=args.front_tails, seams=args.seams, removed_seams=args.removed_seams,
+                           openings=args.openings)
+    return settings + [st for st in front if st.label not in {s.label for s in settings}]
+
+
+def default_setting() -> Setting:
+    """The SCR setting of `kvsplice serve` without flags (`ReuseConfig()`'s), labelled "default"."""
+    config = ReuseConfig()
+    return Setting("default", config.max_spans, config.tail, seam_tokens=config.seam_tokens,
+                   removed_seam_tokens=config.removed_seam_tokens, message_start_tokens=config.message_start_tokens)
+
+
 def run_dtype(args, dtype: str, cases: list[EditCase], settings: list[Setting], out_dir: Path) -> list[dict]:
     """The sweep at compute dtype `dtype`: printed report, results.json / results.md / PNGs in
     `out_dir`. Returns the settings' summaries."""
-    harness = Harness(args.model, gen_tokens=args.gen_tokens, dtype=dtype)
+    # room in the reference pool for the longest case (estimated tokens, with a margin for the tokenizer)
+    longest = max(args.long_cases or [2 * estimate_tokens(case.turn2) for case in cases])
+    harness = Harness(args.model, gen_tokens=args.gen_tokens, dtype=dtype, chat_template=args.template,
+                      max_prompt_tokens=longest + 64)
+    if args.long_cases:
+        cases = select_cases(sized_long_cases(harness, args.long_cases), args.case, args.max_cases)
     started = time.perf_counter()
     results, summaries = run_sweep(harness, settings, cases, anchor=not args.no_anchor)
     anchors = [] if args.no_anchor else summaries[len(settings):]

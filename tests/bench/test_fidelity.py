@@ -298,3 +298,49 @@ def test_fp8_round_trip_keeps_three_mantissa_bits():
     assert y[0, 0, :3].tolist() == [1.0, 1.0, 288.0] and y[0, 0, 3] == 448.0   # rounded, saturated
     scale = per_head_scale(x)
     assert scale.shape == (1, 1, 1) and float(fp8_round_trip(x, scale).abs().max()) == pytest.approx(1000.0)
+
+
+PLAIN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} says:\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant says:\n{% endif %}")
+
+
+def test_long_cases_reach_their_size_and_leave_content_to_relocate():
+    from kvsplice.bench.edit_cases import long_cases
+    from kvsplice.bench.workload import estimate_tokens
+    cases = long_cases(4096)
+    assert [c.name for c in cases] == ["delete_tool_result-4096", "replace_with_note-4096", "insert_note-4096",
+                                       "strip_reasoning-4096"]
+    for case in cases:
+        assert 3000 < estimate_tokens(case.turn2) <= 4096
+        assert leaves_content_to_relocate(case), case.name
+    assert estimate_tokens(long_cases(16384, kinds=("insert_note",))[0].turn2) > 12000
+    counted = long_cases(8192, kinds=("insert_note",), count=lambda messages: 2 * estimate_tokens(messages))[0]
+    assert 3000 < estimate_tokens(counted.turn2) <= 4096
+    with pytest.raises(ValueError, match="unknown edit kind"):
+        long_cases(4096, kinds=("rewrite_everything",))
+
+
+def test_a_chat_template_given_to_the_harness_renders_the_cases(tiny_dir):
+    from kvsplice.bench.fidelity import turn1_prompt, turn2_prompt
+    harness = Harness(tiny_dir, gen_tokens=1, chat_template=PLAIN_TEMPLATE)
+    case = _tiny_case("one")
+    own = turn1_prompt(harness.tokenizer, case)
+    assert harness.turn1_ids(case) == turn1_prompt(harness.tokenizer, case, PLAIN_TEMPLATE) != own
+    text = harness.tokenizer.decode(turn2_prompt(harness.tokenizer, case, "ok", PLAIN_TEMPLATE), skip_special_tokens=False)
+    assert "user says:" in text and text.endswith("assistant says:\n")
+
+
+def test_cli_runs_the_default_setting_on_long_cases_with_a_template(tmp_path, capsys):
+    from tiny_model import make_tiny_model_dir
+    model = make_tiny_model_dir(tmp_path / "model", max_position_embeddings=16384)
+    out = tmp_path / "out"
+    assert fidelity_main(["--model", str(model), "--long-cases", "1024", "--case", "insert_note-1024",
+                          "--default-only", "--chat-template", PLAIN_TEMPLATE, "--dtype", "float32",
+                          "--gen-tokens", "1", "--no-anchor", "--out", str(out)]) == 0
+    summaries = json.loads((out / "results.json").read_text())["summaries"]
+    assert [s["setting"] for s in summaries] == ["default"] and summaries[0]["relocated_tokens"] > 0
+    assert fidelity_main(["--model", str(model), "--long-cases", "1024", "--chat-template", "not a template",
+                          "--out", str(out)]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
+    assert fidelity_main(["--task", "facts", "--default-only", "--out", str(out)]) == 2
+    assert fidelity_main(["--long-cases", "100", "--out", str(out)]) == 2
