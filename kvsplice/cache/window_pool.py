@@ -248,6 +248,31 @@ class WindowedKVPool:
         self.window_k[:, dst] = keys
         self.window_v[:, dst] = self.window_v[:, src]
 
+    def move_window(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, src_pos: torch.Tensor,
+                    dst_pos: torch.Tensor, rotary) -> None:
+        """`relocate_window` without a copy: each window slot of `src_slots` (all carrying one, read
+        by no running request) has its keys turned in place and passes to `dst_slots` (none carrying
+        one); the sources lose their windows. So relocating a long transcript needs no second set of
+        window slots. Side effect: writes window_k, window_of, has_window, spare_since.
+
+            src   full slot s --window_of--> a  (K at src_pos)     after: s has no window
+            dst   full slot d                                      after: d --window_of--> a (K at dst_pos)
+        """
+        if not bool(self.has_window[src_slots].all()) or bool(self.has_window[dst_slots].any()):
+            raise ValueError("move_window: every source needs a window and no destination may have one")
+        held = self.window_of[src_slots]
+        if rotary is not None and held.numel():
+            keys = self.window_k[:, held]
+            layers, n, heads, dim = keys.shape
+            flat = keys.permute(1, 0, 2, 3).reshape(n, layers * heads, dim)
+            self.window_k[:, held] = rotary.move_keys(flat, src_pos, dst_pos).reshape(
+                n, layers, heads, dim).permute(1, 0, 2, 3)
+        self.has_window[src_slots] = False
+        self.spare_since[src_slots] = -1
+        self.window_of[dst_slots] = held
+        self.has_window[dst_slots] = True
+        self.spare_since[dst_slots] = -1
+
     def gather_layers(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every KV layer at full `slots` `[layers, n, kv_heads, head_dim]` (sliding layers:
         zeros where a token has no window; the DecodeArena reads only the window)."""

@@ -252,7 +252,7 @@ class CacheManager:
         slots = req.seq_slots[torch.as_tensor(list(offsets), dtype=torch.int64)]
         if self.windows.ensure_window(slots):
             return True
-        needed = self._windows_read([*self.running(), req])
+        needed = self.windows_read([*self.running(), req])
         if keep is not None:
             needed[keep] = True
         self.windows.drop_spare(int(slots.numel()) - self.windows.window_allocator.num_free, needed)
@@ -261,7 +261,7 @@ class CacheManager:
         self.radix.evict(int(slots.numel()))
         return self.windows.ensure_window(slots)
 
-    def _windows_read(self, reqs: Sequence[Req]) -> torch.Tensor:
+    def windows_read(self, reqs: Sequence[Req]) -> torch.Tensor:
         """Bool per full slot: the windows some of `reqs` may still read (from W before its first
         offset still to compute to its end; prefix slots the tree shares included)."""
         needed = torch.zeros(self.windows.num_slots, dtype=torch.bool)

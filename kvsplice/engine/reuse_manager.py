@@ -461,13 +461,17 @@ class ReuseManager:
             added += offsets
             self._apply_recompute(req, scr, offsets)
         offsets = torch.nonzero(needed).flatten()
-        if offsets.numel():
-            dst = req.seq_slots[offsets]
+        rotary = None if scr.cfg.no_rerotate else self.window_rotary
+        # a source no running request reads gives its window to the new sequence (turned in place);
+        # the others are copied into window slots of their own
+        read = self.cache.windows_read(self.cache.running())[src_slot[offsets]]
+        moved, copied = offsets[~read], offsets[read]
+        pool.move_window(src_slot[moved], req.seq_slots[moved], src_pos[moved], moved, rotary)
+        if copied.numel():
             # the sources are kept while room is made: their windows are copied next
-            if not self.cache.ensure_window(req, offsets.tolist(), keep=src_slot[offsets]):
+            if not self.cache.ensure_window(req, copied.tolist(), keep=src_slot[copied]):
                 raise RuntimeError("the window pool has no room for the relocated sliding-layer K/V")
-            rotary = None if scr.cfg.no_rerotate else self.window_rotary
-            pool.relocate_window(src_slot[offsets], dst, src_pos[offsets], offsets, rotary)
+            pool.relocate_window(src_slot[copied], req.seq_slots[copied], src_pos[copied], copied, rotary)
         return WindowMoves(recomputed=len(added), relocated=int(offsets.numel()))
 
     @staticmethod

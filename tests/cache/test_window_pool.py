@@ -76,3 +76,43 @@ def test_translate_refuses_a_window_it_does_not_hold():
 def test_default_window_slots_stay_within_the_pool():
     assert default_window_slots(1000, 512, 2048, 8) == 1000
     assert default_window_slots(65_536, 512, 2048, 1) == 65_536 // 8 + 3 * 512 + 2048
+
+
+def test_spare_windows_are_given_back_oldest_first_never_a_kept_one():
+    pool = _pool()
+    slots = pool.allocator.alloc(12)
+    assert pool.ensure_window(slots)
+    assert pool.mark_spare(slots[:4]) == 4 and pool.mark_spare(slots[4:8]) == 4
+    assert pool.mark_spare(slots[:2]) == 0 and pool.spare_windows() == 8   # marked once, when first spare
+    keep = torch.zeros(pool.num_slots, dtype=torch.bool)
+    keep[slots[1]] = True
+    assert pool.drop_spare(3, keep) == 3                                   # the oldest, except the kept one
+    assert pool.has_window[slots].tolist() == [False, True, False, False] + [True] * 8
+    assert pool.spare_windows() == 5 and pool.drop_spare(10, keep) == 4    # slot 1 stays
+    assert pool.has_window[slots[1]] and pool.spare_windows() == 1
+    pool.allocator.free(slots)
+    assert pool.spare_windows() == 0 and pool.window_allocator.num_free == pool.window_slots
+    pool.check_integrity()
+
+
+class _Turn:
+    """A rotary stand-in: turning a key by the position delta adds it (so the test can see it)."""
+
+    def move_keys(self, keys, src_pos, dst_pos):
+        return keys + (dst_pos - src_pos).to(keys.dtype)[:, None, None]
+
+
+def test_move_window_hands_the_window_slot_over_with_its_keys_turned():
+    pool = _pool()
+    src, dst = pool.allocator.alloc(3), pool.allocator.alloc(3)
+    assert pool.ensure_window(src)
+    held = pool.window_of[src].clone()
+    pool.window_k[:, held] = 1.0
+    pool.window_v[:, held] = 2.0
+    pool.move_window(src, dst, torch.tensor([10, 11, 12]), torch.tensor([4, 5, 6]), _Turn())
+    assert not bool(pool.has_window[src].any()) and bool(pool.has_window[dst].all())
+    assert torch.equal(pool.window_of[dst], held) and pool.window_allocator.num_used == 3
+    assert bool((pool.window_k[:, held] == -5.0).all()) and bool((pool.window_v[:, held] == 2.0).all())
+    with pytest.raises(ValueError, match="move_window"):
+        pool.move_window(src, dst, torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6]), None)
+    pool.check_integrity()
