@@ -18,10 +18,11 @@ from typing import Optional, Sequence
 from kvsplice.bench.edit_cases import (LONG_CASE_EDITS, CasesFileError, EditCase, builtin_cases,
                                        leaves_content_to_relocate, load_cases, long_cases, workload_cases)
 from kvsplice.bench.fact_cases import KINDS, fact_cases, fact_settings, facts_table, run_facts, select_facts
-from kvsplice.bench.fidelity import (BASE_K, BASE_TAIL, DEFAULT_FRONT_TAILS, DEFAULT_KL_TARGET, DEFAULT_SEAMS,
-                                     DEFAULT_WORST_TARGET, LOGIT_POSITIONS, TURN1_REPLY_TOKENS, Harness, Setting,
-                                     case_table, front_settings, markdown_table, run_sweep, sweep_settings)
-from kvsplice.bench.fidelity_front import choose_default, front_table, pareto
+from kvsplice.bench.fidelity import (ANCHOR_LABEL, BASE_K, BASE_TAIL, DEFAULT_FRONT_TAILS, DEFAULT_KL_TARGET,
+                                     DEFAULT_SEAMS, DEFAULT_WORST_TARGET, LOGIT_POSITIONS, TURN1_REPLY_TOKENS,
+                                     Harness, Setting, case_table, front_settings, markdown_table, run_sweep,
+                                     sweep_settings)
+from kvsplice.bench.fidelity_front import choose_default, front_table, pareto, summarize
 from kvsplice.bench.workload import estimate_tokens
 from kvsplice.reuse.config import ReuseConfig
 
@@ -303,6 +304,8 @@ def run_dtype(args, dtype: str, cases: list[EditCase], settings: list[Setting], 
     anchors = [] if args.no_anchor else summaries[len(settings):]
     summaries = summaries[: len(settings)]
     print(report(summaries, anchors, settings, args, len(cases), time.perf_counter() - started))
+    if args.long_cases:
+        print(length_table(results, args.long_cases))
     (out_dir / "results.md").write_text(markdown_table(summaries) + "\n\n" + case_table(results) + "\n")
     (out_dir / "results.json").write_text(json.dumps(
         {"model": harness.reference.name, "dtype": dtype, "logit_positions": LOGIT_POSITIONS,
@@ -352,6 +355,23 @@ def report(summaries: list[dict], anchors: list[dict], settings: Sequence[Settin
                      f"{chosen['computed_share']:.1%}; {'meets' if meets else 'misses'} mean <= {args.kl_target:g} "
                      f"and worst <= {DEFAULT_WORST_TARGET:g}")
     lines.append(f"front: {', '.join(s['setting'] for s in scr if s['setting'] in pareto(scr))}")
+    return "\n".join(lines)
+
+
+def length_table(results: Sequence, lengths: Sequence[int]) -> str:
+    """Per chat length of --long-cases, each setting's summary over that length's cases: mean and
+    worst KL, the share of the prompt computed, and the mean KL against the first fp8 anchor's."""
+    lines = ["by length:", "| tokens | setting | cases | mean KL | worst case | computed | x fp8 per tensor |",
+             "|---|---|---|---|---|---|---|"]
+    for tokens in lengths:
+        rows = [r for r in results if r.case.endswith(f"-{tokens}")]
+        by_setting = {label: summarize([r for r in rows if r.setting == label])
+                      for label in dict.fromkeys(r.setting for r in rows)}
+        anchor = by_setting.get(ANCHOR_LABEL)
+        for label, summary in by_setting.items():
+            ratio = f"{summary['kl_mean'] / anchor['kl_mean']:.2f}" if anchor and anchor["kl_mean"] else "-"
+            lines.append(f"| {tokens} | {label} | {summary['cases']} | {summary['kl_mean']:.5f} | "
+                         f"{summary['kl_worst']:.4f} | {summary['computed_share']:.1%} | {ratio} |")
     return "\n".join(lines)
 
 

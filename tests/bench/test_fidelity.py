@@ -339,6 +339,8 @@ def test_cli_runs_the_default_setting_on_long_cases_with_a_template(tmp_path, ca
                           "--gen-tokens", "1", "--no-anchor", "--out", str(out)]) == 0
     summaries = json.loads((out / "results.json").read_text())["summaries"]
     assert [s["setting"] for s in summaries] == ["default"] and summaries[0]["relocated_tokens"] > 0
+    printed = capsys.readouterr().out
+    assert "by length:" in printed and "| 1024 | default | 1 |" in printed
     assert fidelity_main(["--model", str(model), "--long-cases", "1024", "--chat-template", "not a template",
                           "--out", str(out)]) == 2
     assert "neither a file nor a Jinja template" in capsys.readouterr().err
