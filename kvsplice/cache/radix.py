@@ -388,6 +388,17 @@ class RadixCache:
         """
         return self._evict_lru(self._evictable_size, False, namespaces or (lambda namespace: True))
 
+    def locked_slots(self) -> torch.Tensor:
+        """The slots of every node an in-flight user has locked (a lock covers a node's whole path
+        to the root, so only locked nodes are walked)."""
+        parts, stack = [], [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            if node.lock_ref > 0:
+                parts.append(node.slots)
+                stack.extend(node.children.values())
+        return torch.cat(parts) if parts else self._empty_slots()
+
     @staticmethod
     def path_ids(node: TreeNode) -> TokenKey:
         """The token ids from position 0 to the end of `node` (its path's keys, in order)."""

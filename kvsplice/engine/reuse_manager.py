@@ -462,17 +462,32 @@ class ReuseManager:
             self._apply_recompute(req, scr, offsets)
         offsets = torch.nonzero(needed).flatten()
         rotary = None if scr.cfg.no_rerotate else self.window_rotary
-        # a source no running request reads gives its window to the new sequence (turned in place);
-        # the others are copied into window slots of their own
+        # A source a running request reads is copied (it must stay); one on a locked radix path is
+        # copied where there is room, so the path keeps its window; any other gives its window to the
+        # new sequence, turned in place (no second window slot needed)
         read = self.cache.windows_read(self.cache.running())[src_slot[offsets]]
-        moved, copied = offsets[~read], offsets[read]
+        locked = torch.zeros(pool.num_slots, dtype=torch.bool)
+        locked[self.cache.radix.locked_slots()] = True
+        kept = locked[src_slot[offsets]] & ~read
+        sources = src_slot[offsets]   # every source keeps its window while room is made for copies
+        if kept.any() and not self._copy_windows(req, offsets[kept], src_slot, src_pos, rotary, sources):
+            kept[:] = False
+        moved = offsets[~read & ~kept]
         pool.move_window(src_slot[moved], req.seq_slots[moved], src_pos[moved], moved, rotary)
-        if copied.numel():
-            # the sources are kept while room is made: their windows are copied next
-            if not self.cache.ensure_window(req, copied.tolist(), keep=src_slot[copied]):
-                raise RuntimeError("the window pool has no room for the relocated sliding-layer K/V")
-            pool.relocate_window(src_slot[copied], req.seq_slots[copied], src_pos[copied], copied, rotary)
+        if read.any() and not self._copy_windows(req, offsets[read], src_slot, src_pos, rotary, sources):
+            raise RuntimeError("the window pool has no room for the relocated sliding-layer K/V")
         return WindowMoves(recomputed=len(added), relocated=int(offsets.numel()))
+
+    def _copy_windows(self, req: Req, offsets: torch.Tensor, src_slot: torch.Tensor, src_pos: torch.Tensor,
+                      rotary, sources: torch.Tensor) -> bool:
+        """The windows of `req`'s relocated `offsets` copied from their sources into window slots of
+        their own (no spare window of the full slots `sources` is given back to make room); False
+        (nothing copied) when there is no room."""
+        if not self.cache.ensure_window(req, offsets.tolist(), keep=sources):
+            return False
+        self.cache.windows.relocate_window(src_slot[offsets], req.seq_slots[offsets], src_pos[offsets], offsets,
+                                           rotary)
+        return True
 
     @staticmethod
     def _in_a_window(candidates: torch.Tensor, computed: torch.Tensor, window: int) -> torch.Tensor:

@@ -263,3 +263,15 @@ def test_match_accepts_tensor_ids():
     _, tree = make_cache()
     insert_fresh(tree, [1, 2, 3])
     assert tree.match_prefix(torch.tensor([1, 2, 3]), None).length == 3
+
+
+def test_locked_slots_are_those_of_locked_paths_only():
+    _, tree = make_cache()
+    shared = insert_fresh(tree, [1, 2, 3, 4, 5])
+    other = insert_fresh(tree, [1, 2, 3, 9, 9, 9])
+    insert_fresh(tree, [7, 7], namespace="tenant")
+    assert tree.locked_slots().numel() == 0
+    tree.lock(tree.match_prefix([1, 2, 3, 9, 9, 9], None).node)
+    assert sorted(tree.locked_slots().tolist()) == sorted(other.tolist())
+    assert not set(tree.locked_slots().tolist()) & set(shared[3:].tolist())
+    check(tree)
