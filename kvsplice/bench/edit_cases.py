@@ -146,8 +146,8 @@ def long_cases(tokens: int, seed: int = 0, kinds: tuple[str, ...] = LONG_CASE_ED
                count: Callable[[list[dict[str, Any]]], int] = estimate_tokens) -> list[EditCase]:
     """One case per edit kind of `kinds` (the built-in cases' edits) on an agent chat of at most
     `tokens` tokens by `count` (default `estimate_tokens`; a model's tokenizer and template for exact
-    sizes): turn 1 grows step by step while turn 2 (turn 1, the reply placeholder, the edit and the
-    question) stays within `tokens`. Named "{kind}-{tokens}". The edit hits the second tool result, as
+    sizes): turn 1 grows step by step while it and turn 2 (turn 1, the reply placeholder, the edit and
+    the question) stay within `tokens`. Named "{kind}-{tokens}". The edit hits the second tool result, as
     in the built-in cases, so almost all of the context after it is relocated. Deterministic for `seed`."""
     unknown = [kind for kind in kinds if kind not in _EDITS]
     if unknown:
@@ -160,7 +160,7 @@ def long_cases(tokens: int, seed: int = 0, kinds: tuple[str, ...] = LONG_CASE_ED
         for turn1 in _growing_turn1(rng, corpus):
             turn2 = _EDITS[kind](turn1 + [{"role": "assistant", "content": REPLY_PLACEHOLDER}])
             turn2.append({"role": "user", "content": FOLLOW_UP})
-            if case is not None and count(turn2) > tokens:
+            if case is not None and max(count(turn1), count(turn2)) > tokens:
                 break
             case = EditCase(f"{kind}-{tokens}", tuple(turn1), tuple(turn2))
         cases.append(case)
