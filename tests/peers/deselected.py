@@ -16,6 +16,11 @@ SGLANG = "sglang/test/srt/openai_server"
 MODEL_OUTPUT = "asserts the peer's own model's output"
 LORA = "uses the peer's LoRA adapter (zephyr-lora)"
 PEER_CODE = "tests the peer's own Python classes in-process, not its HTTP API"
+INCOMPLETE = (MODEL_OUTPUT + " (a reply to \"The capital of France is\" that ends within max_output_tokens 32 or "
+              "16): SmolLM2-135M-Instruct's greedy reply runs 107 tokens (checked with max_output_tokens 400), so "
+              "kvsplice answers OpenAI's status for a reply cut there, \"incomplete\" with incomplete_details "
+              "{reason: max_output_tokens} and, streamed, a response.incomplete event (after which the openai "
+              "SDK's stream helper raises \"Didn't receive a response.completed event\")")
 
 DESELECTED: dict[str, str] = {
     # vLLM: basic (serve/instrumentator)
@@ -85,6 +90,9 @@ DESELECTED: dict[str, str] = {
         MODEL_OUTPUT + " (Llama-3.1-8B extracting \"SmartHome Mini\"), sent under that model's name",
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIServerv1Responses::test_response_prefill":
         MODEL_OUTPUT + " (Llama-3.1-8B extracting \"SmartHome Mini\"), sent under that model's name",
+    **{f"{SGLANG}/basic/test_openai_server.py::TestOpenAIServerv1Responses::{name}": INCOMPLETE
+       for name in ("test_response", "test_response_stream", "test_response_completion",
+                    "test_response_completion_stream")},
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIV1Rerank": "SGLang's non-OpenAI endpoint POST /v1/rerank",
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIV1Score": "SGLang's non-OpenAI endpoint POST /v1/score",
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIServerCustomLogitProcessor":
