@@ -17,7 +17,9 @@ The adaptation: vLLM's files send their module's MODEL_NAME (a hub id their fixt
 server fixture stops taking the fixture that downloads its LoRA adapter. SGLang's files take
 their model names and server from the shimmed `sglang.test.test_utils` and are copied unchanged.
 The server fixtures themselves are not edited: the shims' RemoteOpenAIServer / popen_launch_server
-return the running server (tests/peers/shims/README.md).
+return the running server (tests/peers/shims/README.md). A file whose fixture launches its server with
+settings of its own (`server_args` in PEER_FILES: kvsplice's flags for them) runs in a pytest of its
+own, after the others, against a server started with those flags.
 
 Tests that assert a peer's own model or tokenizer outputs, its LoRA adapters, version string,
 non-OpenAI endpoints or in-process Python classes are deselected, each with its reason, in
