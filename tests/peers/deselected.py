@@ -53,6 +53,11 @@ DESELECTED: dict[str, str] = {
         MODEL_OUTPUT + " (a different IP address when told \"Give me a different one\", sampled at temperature 1 "
         "without a seed): after answering 35.10.12.134, SmolLM2-135M-Instruct repeats it exactly in 3 of 30 "
         "samples (seeds 0..29)",
+    f"{VLLM}/chat_completion/test_chat.py::test_structured_outputs_json_chat":
+        MODEL_OUTPUT + " (a second employee profile whose age differs from the first, sampled at temperature 1 "
+        "without a seed, under the same JSON schema): after a first answer with age 32 (seed 0), "
+        "SmolLM2-135M-Instruct gives age 32 again in 2 of 28 second answers (n=15 at seeds 1 and 2; ages 18 to "
+        "52), so the test fails by chance (it failed once with 22 and 22)",
     f"{VLLM}/chat_completion/test_chat.py::test_custom_role":
         MODEL_OUTPUT + " (a greedy reply that ends, to a request without max_tokens, which vLLM and kvsplice "
         "both let run to the end of the context: 8,151 tokens here): SmolLM2-135M-Instruct's does not end "
