@@ -169,10 +169,11 @@ def prepare(sources: dict[str, str]) -> None:
 
 
 def run_pytest(files: tuple[PeerFile, ...], extra: list[str], url: str | None, time_limit_s: float,
-               results: Path, deselected: Path, server_args: tuple[str, ...] = ()) -> bool:
+               results: Path, deselected: Path, server_args: tuple[str, ...] = ()) -> tuple[bool, int]:
     """Run `files` under the peers' pytest configuration against one server (`url`, or one started
     with `server_args`), stopped after `time_limit_s`; appends the per-test results (JSON lines) to
-    `results`, writes the deselection report to `deselected`; returns whether it ran to the end."""
+    `results`, writes the deselection report to `deselected`; returns whether it ran to the end and
+    pytest's exit status."""
     log = RUNS / ("server.log" if not server_args else f"server-{'-'.join(server_args).strip('-')}.log")
     env = dict(os.environ, KVSPLICE_PEER_TESTS="1", KVSPLICE_PEER_DESELECTED=str(deselected),
                KVSPLICE_PEER_RESULTS=str(results), KVSPLICE_PEER_LOG=str(log),
@@ -193,31 +194,33 @@ def run_pytest(files: tuple[PeerFile, ...], extra: list[str], url: str | None, t
         process.terminate()  # pytest_unconfigure stops the server it started
         process.wait(timeout=60)
         finished = False
-    return finished
+    return finished, process.returncode
 
 
 def run_all(files: tuple[PeerFile, ...], extra: list[str], url: str | None,
-            time_limit_s: float) -> tuple[Path, dict[str, str], bool]:
+            time_limit_s: float) -> tuple[Path, dict[str, str], bool, list[str]]:
     """Run `files`, one pytest (and server) per distinct `server_args`, the shared server's first,
-    within `time_limit_s` in all; returns the results (JSON lines), the deselections and whether
-    every run ran to the end."""
+    within `time_limit_s` in all; returns the results (JSON lines), the deselections, whether every
+    run ran to the end, and a line for each pytest that stopped before its tests (a collection error)."""
     RUNS.mkdir(parents=True, exist_ok=True)
     results = RUNS / "results.jsonl"
     results.unlink(missing_ok=True)
     deadline = time.monotonic() + time_limit_s
     groups = sorted({item.server_args for item in files}, key=len)
     deselected: dict[str, str] = {}
-    finished = True
+    finished, broken = True, []
     for server_args in groups:
         report_path = RUNS / f"deselected-{groups.index(server_args)}.json"
         report_path.unlink(missing_ok=True)
         group = tuple(item for item in files if item.server_args == server_args)
         left = deadline - time.monotonic()
-        finished = left > 0 and run_pytest(group, extra, url, left, results, report_path, server_args)
+        finished, status = run_pytest(group, extra, url, left, results, report_path, server_args) if left > 0 else (False, 0)
+        if finished and status not in (0, 1, 5):    # 2: interrupted (a collection error), 3, 4: pytest's own
+            broken.append(f"pytest exited with {status} before running {', '.join(item.path for item in group)}")
         deselected.update(json.loads(report_path.read_text()) if report_path.exists() else {})
         if not finished:
             break
-    return results, deselected, finished
+    return results, deselected, finished, broken
 
 
 def file_of(test_id: str) -> str:
@@ -304,12 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         state += f"   (its own server: {shlex.join(item.server_args)})" if item.server_args else ""
         print(f"{item.source}@{item.version[:12]} {item.path}{state}")
     print()
-    results, deselected, finished = run_all(prepared, args.pytest_args, args.url, args.time_limit_s)
+    results, deselected, finished, broken = run_all(prepared, args.pytest_args, args.url, args.time_limit_s)
     report(prepared, results, deselected, finished)
-    if not results.exists():    # pytest stopped before any test (a collection error: its stderr says which)
-        print("no test ran: pytest stopped before the first one (is the `peers` extra installed?)", file=sys.stderr)
-        return 1
-    return 0
+    for line in broken:     # a collection error: rerun those files with pytest to see it
+        print(f"{line} (is the `peers` extra installed?)", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
