@@ -17,7 +17,9 @@ The adaptation: vLLM's files send their module's MODEL_NAME (a hub id their fixt
 server fixture stops taking the fixture that downloads its LoRA adapter. SGLang's files take
 their model names and server from the shimmed `sglang.test.test_utils` and are copied unchanged.
 The server fixtures themselves are not edited: the shims' RemoteOpenAIServer / popen_launch_server
-return the running server (tests/peers/shims/README.md).
+return the running server (tests/peers/shims/README.md). A file whose fixture launches its server with
+settings of its own (`server_args` in PEER_FILES: kvsplice's flags for them) runs in a pytest of its
+own, after the others, against a server started with those flags.
 
 Tests that assert a peer's own model or tokenizer outputs, its LoRA adapters, version string,
 non-OpenAI endpoints or in-process Python classes are deselected, each with its reason, in
@@ -32,9 +34,11 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
+import time
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -53,12 +57,14 @@ SERVER_WITH_LORA = re.compile(r"^def server\(zephyr_lora_files\):", re.MULTILINE
 class PeerFile:
     """One test file of a peer: `peer` is its folder under tests/peers/files/, `source` where it was
     copied from (a PyPI sdist or a GitHub repository), `version` which release or commit, `path` its
-    path in that source."""
+    path in that source. `server_args`: kvsplice serve's arguments for what the file's fixture launches
+    its server with, where that differs from the shared server (such a file gets a server of its own)."""
 
     peer: str
     source: str
     version: str
     path: str
+    server_args: tuple[str, ...] = ()
 
     @property
     def local(self) -> Path:
@@ -94,7 +100,8 @@ PEER_FILES = (
     PeerFile("sglang", SGLANG, "1740f505dd07164b05607881e4235925ebdb4127",
              f"{SGLANG_OPENAI}/validation/test_openai_server_ignore_eos.py"),
     PeerFile("sglang", SGLANG, "19b0a161ab0405706dbe2c9327a2eef3942eea6a",
-             f"{SGLANG_OPENAI}/validation/test_request_body_validation.py"),
+             f"{SGLANG_OPENAI}/validation/test_request_body_validation.py",
+             ("--max-body-bytes", "1024")),     # its fixture: --max-payload-size 1024
     PeerFile("sglang", SGLANG, "adcc3be8bc9790d304a35ff3a16f6585af6dfcb6",
              f"{SGLANG_OPENAI}/features/test_continuous_usage_stats.py"),
     PeerFile("vllm", VLLM, "0.34.0", f"{VLLM_OPENAI}/chat_completion/test_chat.py"),
@@ -139,10 +146,15 @@ def prepare_vllm(where: str) -> None:
 
 
 def prepare_from_git(peer: str, checkout: Path) -> None:
-    """Copy `peer`'s PEER_FILES out of its local git checkout at the commits named there."""
+    """Copy `peer`'s PEER_FILES out of its local git checkout at the commits named there, or, where
+    `checkout` is a plain folder (no git history), from `checkout/<path>`: a copy of each file as
+    stored at its PEER_FILES commit, which whoever made the folder vouches for."""
+    from_git = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--git-dir"],
+                              capture_output=True).returncode == 0
     for item in (item for item in PEER_FILES if item.peer == peer):
-        text = subprocess.run(["git", "-C", str(checkout), "show", f"{item.version}:{item.path}"],
-                              check=True, capture_output=True, text=True).stdout
+        text = (subprocess.run(["git", "-C", str(checkout), "show", f"{item.version}:{item.path}"],
+                               check=True, capture_output=True, text=True).stdout
+                if from_git else (checkout / item.path).read_text())
         item.local.parent.mkdir(parents=True, exist_ok=True)
         item.local.write_text(adapt(item.peer, text))
         print(f"prepared {item.peer}/{item.path} at {item.version[:12]}")
@@ -156,19 +168,20 @@ def prepare(sources: dict[str, str]) -> None:
         prepare_from_git("sglang", Path(sources["sglang"]).expanduser())
 
 
-def run_pytest(files: tuple[PeerFile, ...], extra: list[str], url: str | None,
-               time_limit_s: float) -> tuple[Path, Path, bool]:
-    """Run `files` under the peers' pytest configuration, stopped after `time_limit_s`;
-    returns the per-test results (JSON lines), the deselection report and whether it ran to the end."""
-    RUNS.mkdir(parents=True, exist_ok=True)
-    results, deselected = RUNS / "results.jsonl", RUNS / "deselected.json"
-    results.unlink(missing_ok=True)
+def run_pytest(files: tuple[PeerFile, ...], extra: list[str], url: str | None, time_limit_s: float,
+               results: Path, deselected: Path, server_args: tuple[str, ...] = ()) -> tuple[bool, int]:
+    """Run `files` under the peers' pytest configuration against one server (`url`, or one started
+    with `server_args`), stopped after `time_limit_s`; appends the per-test results (JSON lines) to
+    `results`, writes the deselection report to `deselected`; returns whether it ran to the end and
+    pytest's exit status."""
+    log = RUNS / ("server.log" if not server_args else f"server-{'-'.join(server_args).strip('-')}.log")
     env = dict(os.environ, KVSPLICE_PEER_TESTS="1", KVSPLICE_PEER_DESELECTED=str(deselected),
-               KVSPLICE_PEER_RESULTS=str(results), KVSPLICE_PEER_LOG=str(RUNS / "server.log"),
+               KVSPLICE_PEER_RESULTS=str(results), KVSPLICE_PEER_LOG=str(log),
+               KVSPLICE_PEER_SERVER_ARGS=shlex.join(server_args),
                # the repository first; a PYTHONPATH already set (e.g. where the `peers` extra is installed) after it
                PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     env.pop("KVSPLICE_PEER_URL", None)
-    if url:
+    if url and not server_args:     # a given server has the default settings
         env["KVSPLICE_PEER_URL"] = url
     command = [sys.executable, "-m", "pytest", "-c", str(PEERS / "pytest.ini"), "--rootdir", str(PEERS),
                "--confcutdir", str(PEERS), "-q", "--no-header", "-rN", "--tb=native",
@@ -181,7 +194,33 @@ def run_pytest(files: tuple[PeerFile, ...], extra: list[str], url: str | None,
         process.terminate()  # pytest_unconfigure stops the server it started
         process.wait(timeout=60)
         finished = False
-    return results, deselected, finished
+    return finished, process.returncode
+
+
+def run_all(files: tuple[PeerFile, ...], extra: list[str], url: str | None,
+            time_limit_s: float) -> tuple[Path, dict[str, str], bool, list[str]]:
+    """Run `files`, one pytest (and server) per distinct `server_args`, the shared server's first,
+    within `time_limit_s` in all; returns the results (JSON lines), the deselections, whether every
+    run ran to the end, and a line for each pytest that stopped before its tests (a collection error)."""
+    RUNS.mkdir(parents=True, exist_ok=True)
+    results = RUNS / "results.jsonl"
+    results.unlink(missing_ok=True)
+    deadline = time.monotonic() + time_limit_s
+    groups = sorted({item.server_args for item in files}, key=len)
+    deselected: dict[str, str] = {}
+    finished, broken = True, []
+    for server_args in groups:
+        report_path = RUNS / f"deselected-{groups.index(server_args)}.json"
+        report_path.unlink(missing_ok=True)
+        group = tuple(item for item in files if item.server_args == server_args)
+        left = deadline - time.monotonic()
+        finished, status = run_pytest(group, extra, url, left, results, report_path, server_args) if left > 0 else (False, 0)
+        if finished and status not in (0, 1, 5):    # 2: interrupted (a collection error), 3, 4: pytest's own
+            broken.append(f"pytest exited with {status} before running {', '.join(item.path for item in group)}")
+        deselected.update(json.loads(report_path.read_text()) if report_path.exists() else {})
+        if not finished:
+            break
+    return results, deselected, finished, broken
 
 
 def file_of(test_id: str) -> str:
@@ -201,9 +240,8 @@ def outcomes(results: Path) -> dict[str, tuple[str, str]]:
     return seen
 
 
-def report(files: tuple[PeerFile, ...], results: Path, deselected_path: Path, finished: bool) -> None:
+def report(files: tuple[PeerFile, ...], results: Path, deselected: dict[str, str], finished: bool) -> None:
     ran = outcomes(results)
-    deselected = json.loads(deselected_path.read_text()) if deselected_path.exists() else {}
     counts: dict[str, Counter] = defaultdict(Counter)
     for node, (outcome, _) in ran.items():
         counts[file_of(node)][outcome] += 1
@@ -247,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare", metavar="PEER=WHERE,...",
                         help="copy the peers' files, then exit: vllm=pypi (or a local copy of its sdist), "
-                             "sglang=a local git checkout")
+                             "sglang=a local git checkout (or a folder of the files at their paths)")
     parser.add_argument("--url", help="a running `kvsplice serve --served-model-name test-model` to use "
                                       "instead of starting one")
     parser.add_argument("--time-limit-s", type=float, default=3600,
@@ -266,14 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     print(cpu_line())
     for item in PEER_FILES:
         state = "" if item in prepared else "   (not prepared: not run)"
+        state += f"   (its own server: {shlex.join(item.server_args)})" if item.server_args else ""
         print(f"{item.source}@{item.version[:12]} {item.path}{state}")
     print()
-    results, deselected, finished = run_pytest(prepared, args.pytest_args, args.url, args.time_limit_s)
+    results, deselected, finished, broken = run_all(prepared, args.pytest_args, args.url, args.time_limit_s)
     report(prepared, results, deselected, finished)
-    if not results.exists():    # pytest stopped before any test (a collection error: its stderr says which)
-        print("no test ran: pytest stopped before the first one (is the `peers` extra installed?)", file=sys.stderr)
-        return 1
-    return 0
+    for line in broken:     # a collection error: rerun those files with pytest to see it
+        print(f"{line} (is the `peers` extra installed?)", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":

@@ -148,7 +148,9 @@ def _install_models_and_tokens_routes(app: FastAPI, state: ServerState) -> tuple
 
 
 def _model_card(state: ServerState, name: str) -> p.ModelCard:
-    return p.ModelCard(id=name, created=state.created, root=state.public_model_path,
+    # root: the served name (the first, for every alias), as SGLang reports it; the path when exposed
+    root = state.settings.model_path if state.settings.expose_model_path and state.settings.model_path else None
+    return p.ModelCard(id=name, created=state.created, root=root or state.model_name,
                        max_model_len=state.context_limit)
 
 

@@ -51,7 +51,8 @@ def _check_content_type(request: Request) -> None:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body exceeds this server's limit of {limit} bytes "
+    # "Payload Too Large" first: what SGLang answers past its --max-payload-size, and its clients look for
+    return ApiError(413, f"Payload Too Large: the request body exceeds this server's limit of {limit} bytes "
                          f"(kvsplice serve --max-body-bytes)", code="request_too_large")
 
 

@@ -27,7 +27,8 @@ from kvsplice.server.choices import Choice, merge
 from kvsplice.server.errors import ApiError, bind_request_id
 from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
 from kvsplice.server.replies import ReplyFormat
-from kvsplice.server.extras import finish_fields, generated_ids, running_usage, wants_continuous_usage
+from kvsplice.server.extras import (finish_fields, generated_ids, running_usage, wants_continuous_usage,
+                                    with_reasoning_slot)
 from kvsplice.server.sampling import (check_token_id_fields, compile_constraint, max_tokens, openai_sampling,
                                       reply_plan, truncate_prompt)
 from kvsplice.server.sse import stream_response
@@ -134,8 +135,8 @@ async def _chunks(chat: _Chat, body: p.ChatCompletionRequest, tokenizer,
     streams = [chat.fmt.stream() for _ in chat.choices]
     continuous = wants_continuous_usage(body)
     for choice in chat.choices:
-        chunk = {**chunk_head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
+        chunk = {**chunk_head, "choices": [{"index": choice.index, "delta": with_reasoning_slot(
+            {"role": "assistant", "content": ""}), "logprobs": None, "finish_reason": None}]}
         if body.return_token_ids and choice.index == 0:
             chunk["prompt_token_ids"] = chat.prompt_ids
         if continuous:
@@ -147,7 +148,7 @@ async def _chunks(chat: _Chat, body: p.ChatCompletionRequest, tokenizer,
         logprobs = _logprobs(tokenizer, out.logprobs, body.return_tokens_as_token_ids) if body.logprobs else None
         if not (delta or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
             continue
-        entry = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs,
+        entry = {"index": index, "delta": with_reasoning_slot(delta), "finish_reason": reason, "logprobs": logprobs,
                  "stop_reason": None, "matched_stop": None}
         if out.finished:
             entry.update(finish_fields(tokenizer, chat.params, chat.prompt_ids, chat.choices[index].tracker.outputs,

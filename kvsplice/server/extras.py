@@ -6,6 +6,9 @@
                                  {token id: {logprob, rank, decoded_token}}, the prompt's token first
     token ids                    `return_token_ids`: the prompt's, and each choice's generated ids
     running usage                `stream_options.continuous_usage_stats`: the counts so far, per chunk
+    delta.reasoning_content      on every streamed chat delta, null where there is none (SGLang's deltas
+                                 always carry it, and its clients read it from the openai SDK's delta,
+                                 which has no such attribute unless the JSON names it)
 """
 
 from __future__ import annotations
@@ -96,3 +99,8 @@ def running_usage(out: RequestOutput) -> dict[str, int]:
     """A chunk's usage: its choice's prompt and completion tokens so far."""
     return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
             "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+def with_reasoning_slot(delta: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat delta with `reasoning_content` present (None where it has none), as SGLang sends."""
+    return {**delta, "reasoning_content": delta.get("reasoning_content")}

@@ -103,7 +103,7 @@ def chat_fields(body: ResponseRequest, history: tuple[dict[str, Any], ...], sess
         "messages": messages, "model": body.model, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls,
         "tool_choice": _tool_choice(body.tool_choice), "cache_salt": body.cache_salt, "session_id": session_id,
-        "scr": body.scr,
+        "scr": body.scr, "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
     }
     if body.tools:
         fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}

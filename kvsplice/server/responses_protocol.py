@@ -229,12 +229,24 @@ class ResponseRequest(_OpenAIRequest):
     access_programs: Optional[Any] = None
     image: Optional[Any] = None
     moderation: Optional[Any] = None
+    # SGLang extras: as for chat (range-checked there)
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
     # kvsplice extras
     cache_salt: Optional[str] = None
     session_id: Optional[str] = None
     scr: Union[str, dict[str, Any], None] = None
 
     _id_limits = field_validator("cache_salt", "session_id", "previous_response_id")(_check_id)
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _response_id(cls, value: Optional[str]) -> Optional[str]:
+        """A response id begins with "resp_" (a malformed one is a 400, as OpenAI answers; an unknown
+        one is a 404 when it is looked up)."""
+        if value is not None and not value.startswith("resp_"):
+            raise ValueError(f"expected an id that begins with 'resp_', got {value!r}")
+        return value
 
     @field_validator("input", mode="before")
     @classmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -58,11 +59,12 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
 
 
 def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`kvsplice serve --served-model-name test-model` on the default model and a free port."""
+    """`kvsplice serve --served-model-name test-model` on the default model and a free port, with the
+    arguments in KVSPLICE_PEER_SERVER_ARGS (what the files' own fixture launches its server with)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")  # its log lines as they happen
     command = [sys.executable, "-m", "kvsplice.cli", "serve", "--served-model-name", SERVED_MODEL_NAME,
-               "--port", str(port)]
+               "--port", str(port), *shlex.split(os.environ.get("KVSPLICE_PEER_SERVER_ARGS", ""))]
     log = log_path.open("w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
     url = f"http://127.0.0.1:{port}"
@@ -72,7 +74,7 @@ def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
 
 def pytest_configure(config):
     """Start the server, unless KVSPLICE_PEER_URL already names one (started by the caller, with
-    `--served-model-name test-model` on the default model)."""
+    `--served-model-name test-model` on the default model and KVSPLICE_PEER_SERVER_ARGS)."""
     if not ENABLED:
         return
     from kvsplice.models.default_model import default_model_dir

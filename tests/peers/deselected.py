@@ -16,6 +16,11 @@ SGLANG = "sglang/test/srt/openai_server"
 MODEL_OUTPUT = "asserts the peer's own model's output"
 LORA = "uses the peer's LoRA adapter (zephyr-lora)"
 PEER_CODE = "tests the peer's own Python classes in-process, not its HTTP API"
+INCOMPLETE = (MODEL_OUTPUT + " (a reply to \"The capital of France is\" that ends within max_output_tokens 32 or "
+              "16): SmolLM2-135M-Instruct's greedy reply runs 107 tokens (checked with max_output_tokens 400), so "
+              "kvsplice answers OpenAI's status for a reply cut there, \"incomplete\" with incomplete_details "
+              "{reason: max_output_tokens} and, streamed, a response.incomplete event (after which the openai "
+              "SDK's stream helper raises \"Didn't receive a response.completed event\")")
 
 DESELECTED: dict[str, str] = {
     # vLLM: basic (serve/instrumentator)
@@ -48,6 +53,11 @@ DESELECTED: dict[str, str] = {
         MODEL_OUTPUT + " (a different IP address when told \"Give me a different one\", sampled at temperature 1 "
         "without a seed): after answering 35.10.12.134, SmolLM2-135M-Instruct repeats it exactly in 3 of 30 "
         "samples (seeds 0..29)",
+    f"{VLLM}/chat_completion/test_chat.py::test_structured_outputs_json_chat":
+        MODEL_OUTPUT + " (a second employee profile whose age differs from the first, sampled at temperature 1 "
+        "without a seed, under the same JSON schema): after a first answer with age 32 (seed 0), "
+        "SmolLM2-135M-Instruct gives age 32 again in 2 of 28 second answers (n=15 at seeds 1 and 2; ages 18 to "
+        "52), so the test fails by chance (it failed once with 22 and 22)",
     f"{VLLM}/chat_completion/test_chat.py::test_custom_role":
         MODEL_OUTPUT + " (a greedy reply that ends, to a request without max_tokens, which vLLM and kvsplice "
         "both let run to the end of the context: 8,151 tokens here): SmolLM2-135M-Instruct's does not end "
@@ -85,6 +95,9 @@ DESELECTED: dict[str, str] = {
         MODEL_OUTPUT + " (Llama-3.1-8B extracting \"SmartHome Mini\"), sent under that model's name",
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIServerv1Responses::test_response_prefill":
         MODEL_OUTPUT + " (Llama-3.1-8B extracting \"SmartHome Mini\"), sent under that model's name",
+    **{f"{SGLANG}/basic/test_openai_server.py::TestOpenAIServerv1Responses::{name}": INCOMPLETE
+       for name in ("test_response", "test_response_stream", "test_response_completion",
+                    "test_response_completion_stream")},
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIV1Rerank": "SGLang's non-OpenAI endpoint POST /v1/rerank",
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIV1Score": "SGLang's non-OpenAI endpoint POST /v1/score",
     f"{SGLANG}/basic/test_openai_server.py::TestOpenAIServerCustomLogitProcessor":

@@ -358,3 +358,13 @@ def test_a_custom_role_reaches_the_template(server):
     parts = ok(server, CHAT, messages=[{"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}])
     assert text["choices"][0]["message"]["content"] == parts["choices"][0]["message"]["content"]
     refused(server, CHAT, "messages.0.role", messages=[{"role": "two words", "content": "x"}])
+
+
+# ----- delta.reasoning_content (SGLang) --------------------------------------------------------------------
+
+def test_every_streamed_chat_delta_names_reasoning_content(server):
+    """SGLang's clients read `delta.reasoning_content` from each chunk (the openai SDK's delta has the
+    attribute only when the JSON names it): every delta names it, null without a reasoning parser."""
+    deltas = [choice["delta"] for chunk in chunks(server, CHAT) for choice in chunk["choices"]]
+    assert deltas and all("reasoning_content" in delta and delta["reasoning_content"] is None for delta in deltas)
+    assert deltas[0]["role"] == "assistant" and "".join(delta.get("content") or "" for delta in deltas)

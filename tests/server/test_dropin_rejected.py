@@ -88,3 +88,13 @@ def test_a_missing_key_and_a_body_too_large_are_logged(guarded):
     line = rejected_after(guarded, lambda: httpx.post(f"{guarded.url}/v1/completions", headers=headers, json={
         "prompt": SECRET * 200, "max_tokens": 1}, timeout=60))
     assert line["status"] == 413
+
+
+def test_a_body_too_large_is_named_as_sglang_names_it(guarded):
+    """SGLang answers a body past its --max-payload-size with "Payload Too Large", and its clients look
+    for those words: kvsplice's 413 message starts with them."""
+    response = httpx.post(f"{guarded.url}/v1/chat/completions", headers={"Authorization": "Bearer key-1"},
+                          json={"messages": [{"role": "user", "content": "hello " * 400}]}, timeout=60)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["message"].startswith("Payload Too Large: ") and error["code"] == "request_too_large", error

@@ -208,6 +208,18 @@ def test_stored_responses_are_per_tenant(resp_server, rclient):
     assert reply.status_code == 404 and reply.json()["error"]["param"] == "previous_response_id"
 
 
+def test_a_malformed_previous_response_id_is_a_400_and_penalties_apply(resp_server):
+    """SGLang's Responses tests: an id without OpenAI's `resp_` prefix is a 400 with OpenAI's error
+    body; frequency_penalty (an SGLang extra) is honoured as on chat."""
+    reply = post(resp_server, {"input": "x", "previous_response_id": "bad"})
+    assert reply.status_code == 400 and {"message", "type", "code"} <= set(reply.json()["error"])
+    base = {"input": "Say the same word again and again.", "max_output_tokens": 12, "temperature": 0}
+    plain, penalized = (post(resp_server, {**base, **extra}).json() for extra in ({}, {"frequency_penalty": 2.0}))
+    assert penalized["object"] == "response" and penalized["status"] in ("completed", "incomplete")
+    text = [r["output"][-1]["content"][0]["text"] for r in (plain, penalized)]
+    assert text[0] != text[1], text
+
+
 def test_store_false_is_not_kept(resp_server, rclient):
     response = rclient.responses.create(input="Hi", max_output_tokens=2, store=False)
     assert httpx.get(f"{resp_server.url}/v1/responses/{response.id}",
@@ -249,6 +261,9 @@ def test_the_store_bounds_each_tenants_characters_and_keeps_the_newest():
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
     ({"input": "x", "model": "nope"}, "model"),
+    ({"input": "x", "previous_response_id": "bad"}, "previous_response_id"),
+    ({"input": "x", "frequency_penalty": 3}, "frequency_penalty"),
+    ({"input": "x", "presence_penalty": "high"}, "presence_penalty"),
 ])
 def test_bad_input_is_a_4xx_naming_the_field(resp_server, body, param):
     reply = post(resp_server, body)
@@ -330,6 +345,7 @@ ACCEPTED = {
     "prompt_cache_options": {"prompt_cache_options": {}},
     "client_metadata": {"client_metadata": {"thread_id": "t"}}, "cache_salt": {"cache_salt": "salt"},
     "session_id": {"session_id": "conv"}, "scr": {"scr": "off"},
+    "frequency_penalty": {"frequency_penalty": 1.0}, "presence_penalty": {"presence_penalty": 0.5},
 }
 REFUSED = {"top_logprobs": 2, "conversation": "conv_1", "prompt": {"id": "p"},
            "background_options": {}, "context_management": [{}], "access_programs": {}, "image": {},

@@ -95,7 +95,10 @@ def aliased_app(tiny_model_dir):
 
 
 def test_aliases_are_listed_accepted_and_the_first_is_reported(aliased_app, tiny_model_dir):
-    assert [c["id"] for c in aliased_app.get("/v1/models").json()["data"]] == ["agent-model", "backup-name"]
+    cards = aliased_app.get("/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == ["agent-model", "backup-name"]
+    # root is the served name (SGLang's clients compare it with the name they serve), not the model's own
+    assert [c["root"] for c in cards] == ["agent-model", "agent-model"]
     assert aliased_app.get("/v1/models/backup-name").json()["id"] == "backup-name"
     reply = aliased_app.post("/v1/completions", json={"model": "backup-name", "prompt": "Once", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["model"] == "agent-model"
