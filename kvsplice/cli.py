@@ -14,7 +14,7 @@ The other SCR settings (session-matching heuristics, diff chunking, hybrid-model
 experiments) are set through their KVREUSE_* variables; their old flags still work, hidden, with a
 one-line deprecation warning, as do `--no-scr` and `--model-path`. `--decode-arena-tokens`,
 `--num-state-slots`, `--tenant-kv-share`, `--grammar-compile-timeout`, `--min-prefill-tokens` and
-`--admin-api-key` work but are not listed by --help (rarely tuned; docs/SERVING.md lists them). Precedence for SCR settings:
+`--admin-api-key`, `--hf-overrides` work but are not listed by --help (rarely tuned; docs/SERVING.md lists them). Precedence for SCR settings:
 command-line flag > KVREUSE_* environment variable > default; API keys: `--api-key` flags >
 KVSPLICE_API_KEY (comma-separated), `--admin-api-key` > KVSPLICE_ADMIN_API_KEY. Bad input exits with status 2 and a message saying what is wrong.
 """
@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from kvsplice.cache.disk_tier import DiskTierConfig, DiskTierError
 from kvsplice.config import COMPILE_DECODE_CHOICES, WEIGHT_FORMAT_CHOICES, EngineConfig
+from kvsplice.models.hf_overrides import parse_hf_overrides
 from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, EnvVar, ReuseConfig, check_field
 
 BAD_INPUT = 2
@@ -93,6 +94,15 @@ def _auto_or_count(low: int, high: int) -> Callable[[str], int | str]:
     return parse
 
 
+def _hf_overrides_text(raw: str) -> str:
+    """--hf-overrides: the JSON text, checked (a usage error naming the bad key)."""
+    try:
+        parse_hf_overrides(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
 class EngineFlag(NamedTuple):
     """One EngineConfig field offered as a flag. The flag's name is the field's (`--num-slots`; a
     boolean field that defaults to True gets `--no-<name>`), its type and default are the field's,
@@ -116,6 +126,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "int4 data, e.g. a Q4_0 / Q4_1 GGUF, with bf16), dense, int8, int4, gguf (a GGUF's own blocks for "
                "decode rows)", choices=WEIGHT_FORMAT_CHOICES),
     EngineFlag("max_model_len", MODEL, "longest prompt + completion (default: the model's own limit)"),
+    EngineFlag("hf_overrides", MODEL, "JSON object of model config keys to override (vLLM's flag): rope_scaling / "
+               "rope_parameters, rope_theta, max_position_embeddings, ...; e.g. YaRN to extend the context",
+               metavar="JSON", parse=_hf_overrides_text, hidden=True),
     EngineFlag("device", MODEL, "torch device"),
     EngineFlag("fast_path", MODEL, "run every step on the reference Decoder (no fused / packed fast path)"),
     EngineFlag("compile_decode", MODEL, "compile decode-only steps with torch.compile (inductor, C++ wrapper): "

@@ -3,9 +3,11 @@ settings (and their KVREUSE_* environment table) in `kvsplice.reuse.config`."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvsplice.cache.disk_tier import DiskTierConfig
+from kvsplice.models.hf_overrides import parse_hf_overrides
 from kvsplice.reuse.config import ReuseConfig
 
 WEIGHT_FORMAT_CHOICES = ("auto", "dense", "int8", "int4", "gguf")
@@ -22,6 +24,9 @@ class EngineConfig:
     max_running: requests decoding at once. max_waiting: queue length beyond which new
         requests are refused (the server answers 503 with Retry-After).
     max_model_len: longest sequence (prompt + completion) accepted; None = the model's own limit.
+    hf_overrides: keys set on the model's config.json before it is read, as JSON text (a dict is taken
+        too, kept as its JSON): RoPE scaling and max_position_embeddings (`kvsplice.models.hf_overrides`,
+        vLLM's `--hf-overrides`); checked here, ValueError naming a bad key.
     prefix_cache: share exact prefixes through the radix tree.
     num_state_slots: recurrent-state slots of a hybrid (linear-attention) model: one per running
         request plus checkpoints and SCR sessions; None = a default from max_running and
@@ -75,6 +80,7 @@ class EngineConfig:
     max_running: int = 64
     max_waiting: int = 512
     max_model_len: int | None = None
+    hf_overrides: str | None = None
     prefix_cache: bool = True
     num_state_slots: int | None = None
     weight_format: str = "auto"
@@ -102,6 +108,10 @@ class EngineConfig:
             raise ValueError(f"num_state_slots must be >= 2, got {self.num_state_slots}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if isinstance(self.hf_overrides, dict):
+            object.__setattr__(self, "hf_overrides", json.dumps(self.hf_overrides, sort_keys=True))
+        if self.hf_overrides is not None:
+            parse_hf_overrides(self.hf_overrides)
         if self.weight_format not in WEIGHT_FORMAT_CHOICES:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMAT_CHOICES}, got {self.weight_format!r}")
         if not 0 <= self.decode_arena_tokens <= 1 << 30:

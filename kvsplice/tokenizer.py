@@ -46,17 +46,39 @@ def generation_max_new_tokens(model_dir: str | Path) -> Optional[int]:
     return value
 
 
+# generation_config.json's sampling settings a request that leaves them unset gets (vLLM's
+# `--generation-config auto`, its default, reads the same five)
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling_defaults(model_dir: str | Path) -> dict[str, float]:
+    """The GENERATION_SAMPLING_KEYS that `generation_config.json` in `model_dir` sets ({} if none);
+    ValueError naming one that is not a number."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    defaults = {key: config[key] for key in GENERATION_SAMPLING_KEYS if config.get(key) is not None}
+    for key, value in defaults.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{path}: {key} must be a number, got {value!r}")
+    return defaults
+
+
 class Tokenizer:
     """Text <-> token ids, chat templating and stop ids for one model.
 
     `backend` is a transformers tokenizer (any `PreTrainedTokenizerBase`) or a `Llama2cBPE`.
     `extra_eos_ids` (e.g. from generation_config.json) are added to the backend's own eos id;
-    `max_new_tokens` (generation_config.json's) is the completion budget of a request that sets none.
+    `max_new_tokens` (generation_config.json's) is the completion budget of a request that sets none,
+    `sampling_defaults` (its GENERATION_SAMPLING_KEYS) the sampling settings of one that leaves them unset.
     """
 
-    def __init__(self, backend: Backend, extra_eos_ids: tuple[int, ...] = (), max_new_tokens: Optional[int] = None):
+    def __init__(self, backend: Backend, extra_eos_ids: tuple[int, ...] = (), max_new_tokens: Optional[int] = None,
+                 sampling_defaults: Optional[dict[str, float]] = None):
         self.backend = backend
         self.max_new_tokens = max_new_tokens
+        self.sampling_defaults = dict(sampling_defaults or {})
         own_eos = LLAMA2C_EOS_ID if isinstance(backend, Llama2cBPE) else backend.eos_token_id
         ordered = _as_id_tuple(own_eos) + tuple(extra_eos_ids)
         self._eos_token_ids = tuple(dict.fromkeys(ordered))
@@ -74,7 +96,8 @@ class Tokenizer:
             backend = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
             raise ValueError(f"cannot load the tokenizer in {path}: {error}") from error
-        return cls(backend, generation_eos_ids(path), generation_max_new_tokens(path))
+        return cls(backend, generation_eos_ids(path), generation_max_new_tokens(path),
+                   generation_sampling_defaults(path))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -87,6 +87,23 @@ def test_bad_input_exits_2_with_a_message(argv, capsys):
     assert capsys.readouterr().err.strip()
 
 
+@pytest.mark.parametrize("overrides,named", [
+    ('{"vocab_size": 3}', "'vocab_size'"), ('{"rope_scaling": {"rope_type": "yarn", "factr": 4}}', "'rope_scaling.factr'"),
+    ('{"max_position_embeddings": "32768"}', "max_position_embeddings"), ("rope_scaling=yarn", "not JSON"),
+])
+def test_hf_overrides_with_an_unknown_or_ill_typed_key_exits_2_naming_it(overrides, named, capsys):
+    assert main(["serve", "--hf-overrides", overrides]) == 2
+    err = capsys.readouterr().err
+    assert "argument --hf-overrides: " in err and named in err
+
+
+def test_hf_overrides_flag_reaches_the_engine_config():
+    text = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 32768}'
+    config = engine_config_from_args(_serve_args("--hf-overrides", text), {})
+    assert json.loads(config.hf_overrides) == json.loads(text)
+    assert engine_config_from_args(_serve_args(), {}).hf_overrides is None
+
+
 def test_scr_precedence_flag_over_env_over_default():
     env = {"KVREUSE_MAX_BLOCKS": "3", "KVREUSE_V6_MIN_EXTEND": "4"}
     config = reuse_config_from_args(_serve_args("--scr-max-spans", "5"), env)

@@ -31,6 +31,7 @@ from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.default_model import cache_dir, resolve_model
 from kvsplice.models.fast_decode import FastDecoder
+from kvsplice.models.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from kvsplice.models.loader import load_checkpoint, load_gguf_blocks, resolve_dtype
 from kvsplice.models.quantize import WeightFormat, resolve_weight_format
 from kvsplice.reuse.accounting import ReuseStats
@@ -96,7 +97,8 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     # what the machine alone decides, before the weights are read (their format, the model's kind)
     choice = choose_compile_decode(config.compile_decode, weight_format="int4", fast_path=None, **facts)
     ckpt = load_checkpoint(path, dtype=dtype, head_blocks=choice.enabled)   # for the row head
-    model_config = ModelConfig.from_hf_config(ckpt.hf_config)
+    hf_config = apply_hf_overrides(ckpt.hf_config, parse_hf_overrides(config.hf_overrides or "{}"))
+    model_config = ModelConfig.from_hf_config(hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)
     if config.weight_format == "gguf" and ckpt.source_path.lower().endswith(".gguf"):
@@ -110,7 +112,7 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     measure = config.compile_decode == "auto"   # auto switches only where the step measures faster
     config = dataclasses.replace(config, compile_decode="on" if choice.enabled else "off")
     if choice.enabled and decode_builder is None:
-        decode_builder = InductorBuilder(decode_cache_dir(config, ckpt.name, ckpt.hf_config, model_config,
+        decode_builder = InductorBuilder(decode_cache_dir(config, ckpt.name, hf_config, model_config,
                                                           weight_format), measure=measure)
     engine = Engine(model, model_config, ckpt.tokenizer, config, name=ckpt.name, failpoints=failpoints,
                     decode_builder=decode_builder)

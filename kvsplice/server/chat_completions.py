@@ -92,7 +92,7 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
     budget = max_tokens(state, len(prompt_ids), body.max_tokens, "messages")
     top_n = body.top_logprobs or 0
     params = openai_sampling(body, budget, top_n if body.logprobs else None, body.prompt_logprobs, constraint,
-                             tools.keep_special_tokens)
+                             tools.keep_special_tokens, state.engine.tokenizer.sampling_defaults)
     choices, prefill = await submit_choices(state, request, body, "chat", rid, prompt_ids, params, body.n, offsets)
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     fmt = ReplyFormat(state.settings.reasoning_parser, tools, state.chat.parser)

@@ -226,7 +226,8 @@ async def _start_turn(state: ServerState, request: Request, body: p.ChatCompleti
         raise ApiError(400, str(error), param=error.param) from error
     max_tokens = sampling.max_tokens(state, len(prompt_ids), body.max_tokens, names.get("messages", "messages"),
                                      names.get("max_tokens", "max_tokens"))
-    params = openai_sampling(body, max_tokens, None, None, constraint, tools.keep_special_tokens)
+    params = openai_sampling(body, max_tokens, None, None, constraint, tools.keep_special_tokens,
+                             state.engine.tokenizer.sampling_defaults)
     offsets = await state.workers.run(state.chat.message_offsets, body.messages, prompt_ids,
                                       tools.template_tools) if state.wants_message_offsets else None
     choices, _ = await submit_choices(state, request, body, endpoint, rid, prompt_ids, params, 1, offsets)

@@ -145,7 +145,8 @@ def _prompt_params(state: ServerState, body: p.CompletionRequest, prompt_ids: li
         check_prompt_ids(state, ids, "prompt")
         kept.append(ids)
         cuts.append(cut)
-        params.append(openai_sampling(body, budget, body.logprobs, prompt_lps, constraint))
+        params.append(openai_sampling(body, budget, body.logprobs, prompt_lps, constraint,
+                                      defaults=state.engine.tokenizer.sampling_defaults))
     if body.message_offsets is None:
         return kept, params, None
     offsets = message_offsets(body.message_offsets, len(prompt_ids[0]))   # checked against the prompt sent

@@ -157,13 +157,14 @@ class ResponseHead:
     def __init__(self, state: ServerState, body: ResponseRequest, response_id: str):
         self.response_id, self.created = response_id, int(time.time())
         fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
+        defaults = state.engine.tokenizer.sampling_defaults   # generation_config.json's, for fields left unset
         self.fields = {
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls, "model": state.model_name,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "temperature": defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+            "top_p": defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
             "tool_choice": (body.tool_choice.model_dump() if body.tool_choice is not None
                             and not isinstance(body.tool_choice, str) else body.tool_choice or "auto"),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],

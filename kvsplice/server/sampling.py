@@ -88,16 +88,24 @@ def truncate_prompt(state: ServerState, prompt_ids: list[int], keep: Optional[in
 
 def openai_sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Optional[int],
                     prompt_logprobs: Optional[int], structured: Optional[StructuredSpec] = None,
-                    keep_special_tokens: bool = False) -> SamplingParams:
-    """SamplingParams from the OpenAI fields (OpenAI defaults: temperature 1, top_p 1); an invalid
-    combination is a 400 naming the field."""
+                    keep_special_tokens: bool = False, defaults: Optional[dict[str, float]] = None) -> SamplingParams:
+    """SamplingParams from the OpenAI fields; a field left unset takes the model's generation_config.json
+    value (`defaults`: temperature, top_p, top_k, min_p, repetition_penalty, as vLLM), else OpenAI's default
+    (temperature 1, top_p 1). An invalid combination is a 400 naming the field."""
+    defaults = defaults or {}
+
+    def unset(name: str, fallback):
+        value = getattr(fields, name)
+        return defaults.get(name, fallback) if value is None else value
+
+    top_k = unset("top_k", None)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if fields.temperature is None else fields.temperature,
-            top_p=1.0 if fields.top_p is None else fields.top_p,
-            top_k=fields.top_k if fields.top_k not in (None, 0, -1) else None,
-            min_p=fields.min_p or 0.0,
+            temperature=unset("temperature", 1.0),
+            top_p=unset("top_p", 1.0),
+            top_k=int(top_k) if top_k not in (None, 0, -1) else None,
+            min_p=unset("min_p", 0.0),
             seed=fields.seed,
             stop=fields.stop or (),
             stop_regex=fields.stop_regex or (),
@@ -108,7 +116,7 @@ def openai_sampling(fields: p._SamplingFields, max_tokens: int, logprobs: Option
             skip_special_tokens=fields.skip_special_tokens and not keep_special_tokens,
             presence_penalty=fields.presence_penalty or 0.0,
             frequency_penalty=fields.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+            repetition_penalty=unset("repetition_penalty", 1.0),
             logit_bias=fields.logit_bias or (),
             min_tokens=fields.min_tokens,
             structured=structured,

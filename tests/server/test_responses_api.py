@@ -418,7 +418,8 @@ def test_reasoning_text_and_a_call_stream_as_three_items_in_order():
     from kvsplice.server.chat_turn import CallArguments, CallStart, Finished, Usage
     from kvsplice.server.responses import ResponseEvents, ResponseHead, _message_of
 
-    events = ResponseEvents(ResponseHead(SimpleNamespace(model_name="m"), ResponseRequest(input="x"), "resp_1"))
+    events = ResponseEvents(ResponseHead(SimpleNamespace(model_name="m", engine=SimpleNamespace(
+        tokenizer=SimpleNamespace(sampling_defaults={}))), ResponseRequest(input="x"), "resp_1"))
     lines = (events.start() + events.text("let me think", "reasoning") + events.text("Hi", "message")
              + events.call_start(CallStart(0, "call_1", "f", '{"a"')) + events.call_arguments(CallArguments(0, ": 1}")))
     sent, body = events.finish(Finished("tool_calls", (), Usage(5, 3, 2, {})))
