@@ -146,14 +146,6 @@ BENCHMARKS = (
               HARNESS,
               (r"^front over", r"^\| setting \| computed", r"^\| (fp8 K/V per tensor|K=6 tail=16 \||seams (8|16)(, openings 1)? \|)",
                r"^chosen"), FRONT_COLUMNS, FRONT_START),
-    Benchmark("fidelity_validation", "Selective recompute on validation workload cases", "fidelity guard",
-              "kvsplice fidelity --workload-seed 23 --relocating --seams 8,16 --openings 1 "
-              "--front-tails 16 --gen-tokens 4 --no-anchor --out runs/fidelity_validation",
-              "Seed 23, a set no setting was chosen on, selected by the same rule (17 of 28 cases). Same "
-              "targets.",
-              HARNESS,
-              (r"^front over", r"^\| setting \| computed", r"^\| (fp8 K/V per tensor|K=6|seams)", r"^chosen"),
-              FRONT_COLUMNS, FRONT_START),
     Benchmark("fidelity_seed37", "Selective recompute on a third workload seed, measured after the default was set",
               "fidelity guard",
               "kvsplice fidelity --workload-seed 37 --relocating --seams 8 --openings 1 "
@@ -217,16 +209,6 @@ BENCHMARKS = (
               "not run it), so they differ by the state gap alone.",
               (r"^\d+ conversations", r"^\| (model|dense|hybrid) "),
               ("model", "mode", "checkpoint policy", "prefilled / edited turn", "extra vs dense", "states kept (max)")),
-    Benchmark("gemma3_scr", "Gemma 3 270M: SCR on 8K-32K-token edited chats, sliding-window layers", "sliding window",
-              "python benchmarks/gemma3.py --skip-exact --skip-speed --memory-lengths 32768 --window-check 0 "
-              "--scr-lengths 8192,16384,32768 --threads 1",
-              "Agent chats of 8K, 16K and 32K tokens, each edited once (a tool result deleted or replaced by a "
-              "note, a note inserted, reasoning stripped): mean KL over the last 32 positions against exact "
-              "recompute at the default SCR setting, against storing the exact K/V in fp8, with the share of "
-              "the prompt computed; and the K/V memory one 32K-token request needs.",
-              "`--dtype auto` (bf16), the GGUF's own blocks, Gemma's turns "
-              "(benchmarks/templates/gemma3_turns.jinja); the engine's pool holds 4x turn 1 + 4,096 slots.",
-              (r"^\| tokens \| all-full", r"^\| 32768 \|", r"^\| tokens \| setting", r"^\| \d+ \| (default|fp8)")),
     Benchmark("weight_formats", "Weight formats: fidelity against the fp32 model", "fast decode",
               "python benchmarks/weight_formats.py",
               "Each --dtype / --weight-format on the built-in edit cases, whole prompt computed: KL(fp32 dense "
