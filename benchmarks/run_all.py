@@ -257,11 +257,12 @@ BENCHMARKS = (
               f"{FLOAT32}; {SCR_16}.",
               (r"^openai", r"^OK")),
     Benchmark("agent_harnesses", "Agent CLIs on kvsplice: Codex CLI, Claude Code, opencode", "agent API",
-              "python benchmarks/agent_harnesses.py --turns 3 --reply-tokens 512 --out runs/agent_harnesses",
-              "Each CLI through 3 turns (later ones resume the session) on SmolLM2-135M-Instruct: per CLI, its "
-              "4xx, 5xx and stream errors; per turn, its exit, requests and where their prompt tokens came from.",
-              "defaults plus YaRN (`--hf-overrides`: 16K for Codex and opencode, 32K for Claude Code), replies "
-              "at most 512 tokens; each CLI run alone, on 2 cores shared with other jobs.",
+              "python benchmarks/agent_harnesses.py --turns 3 --task chat --reply-tokens 512 --out runs/agent_harnesses",
+              "Each CLI through 3 turns (later ones resume the session; short questions the 135M model answers "
+              "and ends) on SmolLM2-135M-Instruct: per CLI, its 4xx, 5xx and stream errors; per turn, its exit, "
+              "requests and where their prompt tokens came from.",
+              "defaults plus YaRN x2 (`--hf-overrides`, 16K), Claude Code with its tools Bash, Read, Edit and "
+              "Write (`--tools`), replies at most 512 tokens; each CLI run alone.",
               (r"^\| harness \| turn \| CLI exit", r"^\| \w+ \| \d+ \| exit ",
                r"^\| harness \| turns ok", r"^\| \w+ \| \d+/\d+ \|")),
 )
