@@ -25,7 +25,12 @@ class ReuseConfig:
     every field has a lower and an upper bound (`_INT_RANGE`, fractions in [0, 1])."""
 
     enabled: bool = True
-    max_spans: int = 6  # K: spans relocated per request, the longest first
+    max_spans: int = 6  # K: spans relocated per request (per span_scale_tokens of prompt), the longest first
+    # K grows with the prompt: a prompt of n tokens relocates at most K * ceil(n / span_scale_tokens)
+    # spans (0: K whatever the length). An agent chat's edits (stripped reasoning blocks above all) grow
+    # with its length; at K=6 a 16K-token chat with every reasoning block stripped computed 79% of its
+    # prompt in the spans left unchosen (docs/BENCHMARKS.md, Gemma 3 section)
+    span_scale_tokens: int = 2048
     tail: int = 16  # last tokens of each span recomputed instead of relocated (>= 1)
     min_span: int = 64  # minimum relocated length of a span
     max_sessions: int = 16  # tracked conversations (LRU by count)
@@ -97,6 +102,15 @@ class ReuseConfig:
             overrides[entry.field] = value
         return (base or cls()).replace(**overrides)
 
+    def span_limit(self, prompt_len: int) -> int:
+        """The most spans a prompt of `prompt_len` tokens relocates: max_spans per started
+        span_scale_tokens of prompt (max_spans itself when span_scale_tokens is 0 or the prompt is
+        at most that long), capped at the bound of max_spans."""
+        if self.span_scale_tokens == 0:
+            return self.max_spans
+        scale = max(1, -(-prompt_len // self.span_scale_tokens))
+        return min(self.max_spans * scale, _INT_RANGE["max_spans"][1])
+
     def checkpoints(self) -> CheckpointPolicy:
         """The state checkpoint policy (`checkpoint_policy` parsed, with its memory cap)."""
         return CheckpointPolicy.parse(self.checkpoint_policy, self.checkpoint_max_states)
@@ -120,6 +134,7 @@ class ReuseConfig:
 FIELD_TYPES: dict[str, type] = {
     "enabled": bool,
     "max_spans": int,
+    "span_scale_tokens": int,
     "tail": int,
     "min_span": int,
     "max_sessions": int,
@@ -154,6 +169,7 @@ FIELD_TYPES: dict[str, type] = {
 MAX_TOKENS = 1 << 22
 _INT_RANGE = {
     "max_spans": (0, 1024),
+    "span_scale_tokens": (0, MAX_TOKENS),
     "tail": (1, MAX_TOKENS),
     "min_span": (1, MAX_TOKENS),
     "max_sessions": (1, 1 << 20),
@@ -257,7 +273,10 @@ class EnvVar(NamedTuple):
 ENV_TABLE: tuple[EnvVar, ...] = (
     EnvVar("KVREUSE_ENABLED", "enabled", parse_bool, "--scr-enabled", "turn Suffix Cache Reuse on or off"),
     EnvVar("KVREUSE_MAX_BLOCKS", "max_spans", parse_int, "--scr-max-spans",
-           "K: surviving spans relocated per request, the longest first"),
+           "K: surviving spans relocated per request, the longest first (per --scr-span-scale-tokens of prompt)"),
+    EnvVar("KVREUSE_SPAN_SCALE_TOKENS", "span_scale_tokens", parse_int, "--scr-span-scale-tokens",
+           "K applies per this many prompt tokens: a prompt of n tokens relocates at most "
+           "K * ceil(n / this) spans (0: K whatever the prompt's length)"),
     EnvVar("KVREUSE_V6_MIN_EXTEND", "tail", parse_int, "--scr-tail",
            "last tokens of each relocated span that are recomputed (>= 1)"),
     EnvVar("KVREUSE_V6_MIN_TAIL", "min_span", parse_int, "--scr-min-span",
@@ -313,7 +332,7 @@ RETIRED_ENV: dict[str, str] = {
 CONTROL_FIELDS = frozenset({"no_rerotate"})
 
 # Settings a single request may override; the rest belong to the whole server (session store).
-REQUEST_FIELDS = frozenset({"enabled", "max_spans", "tail", "min_span", "fastdiff_min", "cdc_target",
+REQUEST_FIELDS = frozenset({"enabled", "max_spans", "span_scale_tokens", "tail", "min_span", "fastdiff_min", "cdc_target",
                             "state_mode", "seam_tokens", "removed_seam_tokens", "message_start_tokens"})
 
 SALT_OFF = "kvreuse:off"

@@ -263,7 +263,7 @@ def make_plan(
     elif old_kv_len == 0:
         reason = "no_session_tokens"
     else:
-        keeps = choose_keeps(runs, prefix_len=prefix_len, old_kv_len=old_kv_len, cfg=cfg)
+        keeps = choose_keeps(runs, prefix_len=prefix_len, old_kv_len=old_kv_len, cfg=cfg, prompt_len=prompt_len)
         reason = None if keeps else "no_spans"
     breakdown = prefill_breakdown(old_ids, new_ids, runs, prefix_len=prefix_len, keeps=keeps, tail=cfg.tail)
     removed = removed_before(keeps, runs)
@@ -309,10 +309,12 @@ def removed_spans(keeps: Sequence[Keep], runs: Sequence[EqualRun]) -> tuple[tupl
     return tuple(spans)
 
 
-def choose_keeps(runs: Sequence[EqualRun], *, prefix_len: int, old_kv_len: int, cfg: ReuseConfig) -> tuple[Keep, ...]:
+def choose_keeps(runs: Sequence[EqualRun], *, prefix_len: int, old_kv_len: int, cfg: ReuseConfig,
+                 prompt_len: int = 0) -> tuple[Keep, ...]:
     """The keeps, in new order: each run is clipped to start at/after prefix_len in new; its
     relocatable part is [start, end - tail), clipped to old_kv_len in old; runs whose relocatable
-    part reaches min_span are candidates; the max_spans longest win (ties: the later run)."""
+    part reaches min_span are candidates; the cfg.span_limit(prompt_len) longest win (ties: the
+    later run)."""
     candidates = []
     for order, run in enumerate(runs):
         cut = max(0, prefix_len - run.new_offset)
@@ -321,7 +323,7 @@ def choose_keeps(runs: Sequence[EqualRun], *, prefix_len: int, old_kv_len: int, 
         if length >= cfg.min_span:
             candidates.append((length, order, Keep(src_pos, dst_pos, length)))
     candidates.sort(key=lambda item: (item[0], item[1]), reverse=True)
-    chosen = [keep for _, _, keep in candidates[: cfg.max_spans]]
+    chosen = [keep for _, _, keep in candidates[: cfg.span_limit(prompt_len)]]
     return tuple(sorted(chosen, key=lambda keep: keep.dst_pos))
 
 

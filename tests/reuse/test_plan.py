@@ -61,6 +61,25 @@ def test_k_longest_executed_in_new_order_ties_to_the_later():
     assert result.plan is None and result.reason == "no_spans"
 
 
+def test_the_span_limit_grows_with_the_prompt_per_span_scale_tokens():
+    # 12 surviving runs of 100 tokens, each after an edited separator: 1,260 new tokens
+    old, new = [], []
+    for number in range(12):
+        old += seq(10_000 * (number + 1), 100) + [7] * 10
+        new += seq(10_000 * (number + 1), 100) + [8] * 5
+    short = ReuseConfig(max_spans=3, span_scale_tokens=2048)
+    assert len(plan_for(old, new, prefix_len=0, cfg=short).plan.keeps) == 3  # one started 2,048 tokens
+    scaled = ReuseConfig(max_spans=3, span_scale_tokens=512)
+    assert scaled.span_limit(len(new)) == 9  # ceil(1260 / 512) = 3 -> 3 x 3
+    plan = plan_for(old, new, prefix_len=0, cfg=scaled).plan
+    assert len(plan.keeps) == 9
+    plan.validate(old, new, len(old))
+    fixed = ReuseConfig(max_spans=3, span_scale_tokens=0)
+    assert fixed.span_limit(10**6) == 3
+    assert ReuseConfig(max_spans=1000, span_scale_tokens=1).span_limit(10**6) == 1024  # max_spans' bound
+    assert ReuseConfig().span_limit(2048) == 6 and ReuseConfig().span_limit(2049) == 12
+
+
 def test_minimum_span_is_min_span_plus_tail():
     for length, expect in ((79, None), (80, 64)):
         body = seq(100, length)

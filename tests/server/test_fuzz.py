@@ -94,7 +94,8 @@ def test_every_route_against_its_openapi_document(fuzz_server):
     operations = _operations(fuzz_server)
     labels = {operation.label for operation in operations}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /generate", "GET /health",
-            "HEAD /health", "POST /flush_cache", "GET /metrics"} <= labels, labels
+            "HEAD /health", "POST /flush_cache", "GET /metrics", "POST /v1/responses", "GET /v1/responses/{response_id}",
+            "DELETE /v1/responses/{response_id}", "POST /v1/messages", "POST /v1/messages/count_tokens"} <= labels, labels
     for operation in operations:
         modes = [schemathesis.GenerationMode.POSITIVE]
         if operation.body:  # negative data needs something to break: a body

@@ -32,6 +32,9 @@ def _raw(text: str) -> bytes:
 
 
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"   # MESSAGES answers in Anthropic's error shape
+SERVED = "<served model>"   # a /v1/messages body's model, replaced by the served name when sent
+ANT_HI = {"model": SERVED, "max_tokens": 2, "messages": HI}
 
 # (case name, path, body: dict -> JSON, or bytes as they are, expected status, expected `param`)
 CORPUS = [
@@ -115,12 +118,39 @@ CORPUS = [
     ("10 MB /tokenize prompt", "/tokenize", {"prompt": "word " * 2_000_000}, 413, None),
     ("/detokenize of a negative id", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize of a string", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    # the Responses API and the Anthropic Messages API
+    ("responses: malformed JSON", RESPONSES, b"{not json", 400, None),
+    ("responses: lone surrogate in input", RESPONSES, _raw('{"input": "a\\ud800b"}'), 400, None),
+    ("responses: input is a number", RESPONSES, {"input": 5}, 400, "input"),
+    ("responses: NaN temperature", RESPONSES, b'{"input": "hi", "temperature": NaN}', 400, None),
+    ("responses: huge max_output_tokens", RESPONSES, {"input": "hi", "max_output_tokens": 10**30}, 400,
+     "max_output_tokens"),
+    ("responses: 10 MB input", RESPONSES, {"input": "word " * 2_000_000}, 413, None),
+    ("responses: deep nesting", RESPONSES, b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("responses: unknown previous_response_id", RESPONSES, {"input": "hi", "previous_response_id": "resp_x" * 40},
+     None, None),
+    ("messages: malformed JSON", MESSAGES, b"{not json", 400, None),
+    ("messages: lone surrogate in a message", MESSAGES,
+     _raw('{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "\\udfff"}]}'), 400, None),
+    ("messages: messages is a string", MESSAGES, {**ANT_HI, "messages": "hi"}, 400, "messages"),
+    ("messages: huge max_tokens", MESSAGES, {**ANT_HI, "max_tokens": 10**30}, 400, "max_tokens"),
+    ("messages: NaN temperature", MESSAGES,
+     b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     400, None),
+    ("messages: 10 MB message", MESSAGES, {**ANT_HI, "messages": [{"role": "user", "content": "word " * 2_000_000}]},
+     413, None),
+    ("messages: deep nesting", MESSAGES, b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("messages: a content block of an unknown type", MESSAGES,
+     {**ANT_HI, "messages": [{"role": "user", "content": [{"type": "hologram", "data": "x" * 300}]}]}, 400, None),
     ("valid surrogate pair", CHAT, _raw('{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], '
                                         '"max_tokens": 1}'), 200, None),
 ]
 
 
 def _send(server, path: str, body) -> httpx.Response:
+    if isinstance(body, dict) and body.get("model") == SERVED:
+        served = httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"][0]["id"]
+        body = {**body, "model": served}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(f"{server.url}{path}", content=content, headers=JSON, timeout=60)
 
@@ -136,11 +166,23 @@ def assert_openai_error(response: httpx.Response) -> dict:
 @pytest.mark.parametrize("name, path, body, status, param", CORPUS, ids=[case[0] for case in CORPUS])
 def test_hostile_request_is_refused_cleanly(server, name, path, body, status, param):
     response = _send(server, path, body)
-    assert response.status_code == status, response.text[:500]
-    if status >= 400:
-        error = assert_openai_error(response)
+    if status is None:   # a 4xx whose status depends on the route's rules (e.g. 400 or 404)
+        assert 400 <= response.status_code < 500, response.text[:500]
+    else:
+        assert response.status_code == status, response.text[:500]
+    if response.status_code >= 400:
+        error = assert_anthropic_error(response) if path.startswith(MESSAGES) else assert_openai_error(response)
         if param is not None:
             assert error["param"] == param, error
+
+
+def assert_anthropic_error(response: httpx.Response) -> dict:
+    """The error object of an Anthropic-shaped error body ({"type": "error", "error": {...}})."""
+    body = response.json()
+    assert body["type"] == "error", body
+    error = body["error"]
+    assert isinstance(error["type"], str) and isinstance(error["message"], str) and error["message"], error
+    return error
 
 
 def test_server_is_healthy_and_leak_free_after_the_corpus(server):
