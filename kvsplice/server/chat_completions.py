@@ -29,7 +29,7 @@ from kvsplice.server.openapi import INFERENCE_ERRORS, json_request_body
 from kvsplice.server.replies import ReplyFormat
 from kvsplice.server.extras import (finish_fields, generated_ids, running_usage, wants_continuous_usage,
                                     with_reasoning_slot)
-from kvsplice.server.sampling import (check_token_id_fields, compile_constraint, max_tokens, openai_sampling,
+from kvsplice.server.sampling import (check_token_id_fields, compile_reply_constraints, max_tokens, openai_sampling,
                                       reply_plan, truncate_prompt)
 from kvsplice.server.sse import stream_response
 from kvsplice.server.state import ServerState
@@ -75,7 +75,7 @@ async def _start(state: ServerState, request: Request, body: p.ChatCompletionReq
     if body.max_tokens == 0:
         raise ApiError(400, "max_tokens: must be >= 1 for chat completions", param="max_tokens")
     tools, constraint, constraint_param = reply_plan(state, body)
-    await compile_constraint(state, constraint, constraint_param)
+    await compile_reply_constraints(state, body, tools, constraint, constraint_param)
     try:
         prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools,
                                              body.chat_template_kwargs, body.add_generation_prompt,

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from kvsplice.engine.request import RequestOutput
 from kvsplice.server import protocol as p
 from kvsplice.server import sampling
-from kvsplice.server.sampling import compile_constraint, openai_sampling, reply_plan
+from kvsplice.server.sampling import compile_reply_constraints, openai_sampling, reply_plan
 from kvsplice.server.state import ServerState
 from kvsplice.server.tracking import collect, submit_choices
 from kvsplice.server.body import validate_body
@@ -219,7 +219,7 @@ async def _start_turn(state: ServerState, request: Request, body: p.ChatCompleti
     tools, constraint, constraint_param = reply_plan(state, body)
     if max_calls is not None:
         tools = dataclasses.replace(tools, max_calls=min(max_calls, tools.max_calls or max_calls))
-    await compile_constraint(state, constraint, constraint_param)
+    await compile_reply_constraints(state, body, tools, constraint, constraint_param)
     try:
         prompt_ids = await state.workers.run(state.chat.prompt_ids, body.messages, tools.template_tools)
     except ChatTemplateError as error:

@@ -75,7 +75,10 @@ def _candidates(body: _SamplingFields) -> list[tuple[str, StructuredSpec]]:
 
 def reply_constraint(body: _SamplingFields, forced_call: Optional[StructuredSpec] = None) -> Optional[StructuredSpec]:
     """The one StructuredSpec the reply must match, or None. ConstraintError (naming the field) for
-    two constraints, a bad schema, or a constraint next to a forced tool call."""
+    two constraints or a bad schema. A forced tool call (`forced_call`: a required or named
+    tool_choice) wins over a format constraint, as on OpenAI's API: the format governs a text reply
+    and a forced call's reply is the call (the OpenAI Agents SDK sends both, its output type next to
+    `tool_choice="required"`); the server still compiles the format (`compile_reply_constraints`)."""
     try:
         found = _candidates(body)
     except ConstraintError:
@@ -83,8 +86,6 @@ def reply_constraint(body: _SamplingFields, forced_call: Optional[StructuredSpec
     except ValueError as error:        # the spec's own checks (size, depth, empty choice)
         field = str(error).split(":", 1)[0].split(".")[0]
         raise ConstraintError(str(error), field if field in type(body).model_fields else "response_format") from error
-    if forced_call is not None and found:
-        raise ConstraintError(f"{found[0][0]} cannot be combined with a required or named tool_choice", found[0][0])
     if len(found) > 1:
         raise ConstraintError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one constraint", found[1][0])
     return forced_call if forced_call is not None else (found[0][1] if found else None)

@@ -156,6 +156,16 @@ async def compile_constraint(state: ServerState, spec: Optional[StructuredSpec],
                        headers={"Retry-After": "1"}) from error
 
 
+async def compile_reply_constraints(state: ServerState, body: p.ChatCompletionRequest, tools: ToolPlan,
+                                    constraint: Optional[StructuredSpec], param: str) -> None:
+    """`compile_constraint` of the reply's constraint, and of a format set beside a forced tool call
+    (which the call wins over, `reply_constraint`): a format that cannot compile is a 400 naming its
+    field whether or not this reply uses it."""
+    await compile_constraint(state, constraint, param)
+    if tools.forced is not None:
+        await compile_constraint(state, text_constraint(body), constraint_field(body))
+
+
 def reply_plan(state: ServerState, body: p.ChatCompletionRequest) -> tuple[ToolPlan, Optional[StructuredSpec], str]:
     """The request's ToolPlan, the constraint on its reply, and the field that constraint came from."""
     try:

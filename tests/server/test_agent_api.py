@@ -42,6 +42,18 @@ def test_required_tool_choice_always_returns_valid_calls(client, seed):
     validate_calls(choice.message.tool_calls, {"get_weather": WEATHER, "search": SEARCH})
 
 
+def test_a_required_call_wins_over_a_response_format_beside_it(client):
+    # as on OpenAI's API (the OpenAI Agents SDK sends its output type beside tool_choice "required")
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "sky": {"enum": ["sunny", "rainy"]}}, "required": ["sky"]}}}
+    reply = client.chat.completions.create(model=model_id(client), messages=USER, tools=TOOLS, tool_choice="required",
+                                           max_tokens=200, temperature=1.0, seed=0, parallel_tool_calls=False,
+                                           response_format=fmt)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    validate_calls(choice.message.tool_calls, {"get_weather": WEATHER, "search": SEARCH})
+
+
 def test_parallel_required_calls_cut_by_max_tokens_keep_the_complete_ones(client):
     reply = client.chat.completions.create(model=model_id(client), messages=USER, tools=TOOLS, tool_choice="required",
                                            max_tokens=120, temperature=1.0, seed=5)
@@ -207,8 +219,8 @@ def test_penalties_change_greedy_output(client):
 @pytest.mark.parametrize("body, param, needle", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
-     "cannot be combined"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frobnicate"}}}}, "response_format", "cannot compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
      "response_format", "cannot compile"),
     ({"guided_regex": "((", "guided_choice": None}, "guided_regex", "cannot compile"),
