@@ -98,8 +98,9 @@ async def _start(state: ServerState, request: Request, body: p.CompletionRequest
         lambda: [tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt) for prompt in prompts])
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens: 0 is only allowed with echo=true (scoring the prompt)", param="max_tokens")
-    if body.echo and body.stream:
-        raise ApiError(400, "echo is not supported with stream=true", param="echo")
+    if body.echo and body.stream and body.max_tokens == 0:
+        raise ApiError(400, "max_tokens: 0 (scoring the prompt) is not streamed: send stream=false",
+                       param="max_tokens")
     check_token_id_fields(state, body)
     constraint = text_constraint(body)
     await compile_constraint(state, constraint, constraint_field(body))
@@ -189,10 +190,7 @@ def _prompt_choices(prompt: _Prompt, completion: _Completion, body: p.Completion
     tokens, as `tokens` shows them, and the reply's `text_offset` starts where the echoed text ends."""
     prompt_ids, score_only = prompt.prompt_ids, completion.score_only
     prompt_lps = next((o.prompt_logprobs for o in prompt.first.outputs if o.prompt_logprobs), None)
-    prompt_text = ""
-    if body.echo:
-        prompt_text = prompt.prompt if isinstance(prompt.prompt, str) else tokenizer.decode(
-            prompt_ids, skip_special_tokens=False)
+    prompt_text = _echo_text(prompt, tokenizer) if body.echo else ""
     top_n = body.logprobs or 0
     echoed = list(zip(prompt_ids, prompt_lps or (None,) * len(prompt_ids))) if body.echo else []
     out = []
@@ -215,6 +213,21 @@ def _prompt_choices(prompt: _Prompt, completion: _Completion, body: p.Completion
             entry.update(prompt_token_ids=prompt_ids, token_ids=generated_ids(outs))
         out.append(entry)
     return out
+
+
+def _echo_text(prompt: _Prompt, tokenizer) -> str:
+    """The echoed prompt: as sent, or a prompt of token ids decoded with its special tokens (as the
+    echoed `tokens` show them)."""
+    return prompt.prompt if isinstance(prompt.prompt, str) else tokenizer.decode(prompt.prompt_ids,
+                                                                                 skip_special_tokens=False)
+
+
+def _echo_logprobs(prompt: _Prompt, out: RequestOutput, body: p.CompletionRequest, tokenizer) -> dict[str, Any]:
+    """The echoed prompt's `logprobs` for a streamed choice's first chunk (from `out` or, with n > 1,
+    the output of the request that prefilled the prompt; null entries where none has arrived)."""
+    lps = next((o.prompt_logprobs for o in (out, *prompt.first.outputs) if o.prompt_logprobs), None)
+    echoed = list(zip(prompt.prompt_ids, lps or (None,) * len(prompt.prompt_ids)))
+    return _logprobs(tokenizer, echoed, 0, body.logprobs or 0, body.return_tokens_as_token_ids)
 
 
 def _usage(completion: _Completion) -> dict[str, Any]:
@@ -247,15 +260,21 @@ async def _chunks(completion: _Completion, body: p.CompletionRequest, tokenizer,
     want_logprobs, continuous = body.logprobs is not None, wants_continuous_usage(body)
     async for index, out in outputs:
         prompt, choice = prompts[index]
+        # echo: a choice's first chunk starts with the prompt (and its logprobs), as vLLM and SGLang stream it
+        echo = body.echo and index not in started
+        echo_text = _echo_text(prompt, tokenizer) if echo else ""
+        offsets[index] += len(echo_text)
         logprobs = None
         if want_logprobs:
             logprobs = _logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index], None,
                                  body.return_tokens_as_token_ids)
+            if echo:
+                logprobs = _joined(_echo_logprobs(prompt, out, body, tokenizer), logprobs)
         offsets[index] += len(out.new_text)
-        if not (out.new_text or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
+        if not (echo or out.new_text or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
             continue
         reason = out.finish_reason if out.finished else None
-        entry = {"index": index, "text": out.new_text, "logprobs": logprobs, "finish_reason": reason,
+        entry = {"index": index, "text": echo_text + out.new_text, "logprobs": logprobs, "finish_reason": reason,
                  "stop_reason": None, "matched_stop": None}
         if out.finished:
             entry.update(finish_fields(tokenizer, prompt.params, prompt.prompt_ids, choice.tracker.outputs, reason))

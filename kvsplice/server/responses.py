@@ -120,9 +120,12 @@ def chat_fields(body: ResponseRequest, history: tuple[dict[str, Any], ...], sess
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
+    """The Response's `usage`: OpenAI's fields, SGLang's `prompt_tokens` / `completion_tokens` beside
+    them (its Responses usage has both names, and its clients read these), and kvsplice's `reuse`."""
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens, "reuse": usage.reuse}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "reuse": usage.reuse}
 
 
 def reasoning_item(text: str, item_id: Optional[str] = None) -> dict[str, Any]:

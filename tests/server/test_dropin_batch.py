@@ -86,6 +86,43 @@ def test_echo_and_logprobs_per_prompt(server):
         assert choice["logprobs"]["token_logprobs"][0] is None
 
 
+def streamed_choices(server, body: dict) -> dict[int, dict]:
+    """Each choice's streamed text and logprobs joined, and its chunk count, by index."""
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                joined = choices.setdefault(choice["index"], {"text": "", "chunks": 0, "logprobs": None})
+                joined["text"] += choice["text"]
+                joined["chunks"] += 1
+                if choice["logprobs"]:
+                    lps = joined["logprobs"] or {key: [] for key in choice["logprobs"]}
+                    joined["logprobs"] = {key: lps[key] + value for key, value in choice["logprobs"].items()}
+    return choices
+
+
+def test_streamed_echo_equals_the_answer_with_echo(server):
+    # as SGLang's and vLLM's clients stream it: each choice's first chunk starts with its prompt
+    body = {"prompt": ["Once upon", "The quick brown"], "echo": True, "logprobs": 2, "max_tokens": 4,
+            "temperature": 0}
+    whole = one(server, body["prompt"], **{k: v for k, v in body.items() if k != "prompt"})
+    streamed = streamed_choices(server, body)
+    for choice in whole["choices"]:
+        assert streamed[choice["index"]]["text"] == choice["text"]
+        got, want = streamed[choice["index"]]["logprobs"], choice["logprobs"]
+        assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+        assert [lp is None for lp in got["token_logprobs"]] == [lp is None for lp in want["token_logprobs"]]
+        # equal up to float rounding (the two runs batch their rows differently)
+        assert all(abs(a - b) < 1e-4 for a, b in zip(got["token_logprobs"], want["token_logprobs"]) if a is not None)
+        assert [top and set(top) for top in got["top_logprobs"]] == [top and set(top) for top in want["top_logprobs"]]
+    refused = post(server, {**body, "max_tokens": 0, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert_idle_without_leak(server)
+
+
 def test_too_many_prompts_is_a_400_naming_prompt(server):
     response = post(server, {"prompt": ["a"] * (MAX_PROMPTS + 1), "max_tokens": 1})
     assert response.status_code == 400

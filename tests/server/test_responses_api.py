@@ -56,6 +56,9 @@ def check_usage(usage) -> dict:
     assert usage.input_tokens == reuse["prefix_tokens"] + reuse["relocated_tokens"] + reuse["prefilled_tokens"]
     assert usage.input_tokens_details.cached_tokens == reuse["prefix_tokens"] + reuse["relocated_tokens"]
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    # SGLang's names for the same counts, which its clients read
+    assert (usage.model_extra["prompt_tokens"], usage.model_extra["completion_tokens"]) == (
+        usage.input_tokens, usage.output_tokens)
     return reuse
 
 
