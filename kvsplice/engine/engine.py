@@ -273,7 +273,10 @@ class Engine:
         self._aborted.clear()
         outputs += self._lane_outputs + self._take_lane(block=False)   # frees the lane for this step
         self._lane_outputs = []
-        plan = self.placement.place(*self._schedule())                     # schedule, place
+        decodes, prefills = self._schedule()
+        if not decodes and not prefills:
+            self._fail_window_starved()
+        plan = self.placement.place(decodes, prefills)                     # schedule, place
         if plan.to_lane:
             self.scheduler.held.update(c.req.rid for c in plan.to_lane)
             self.lane.start(plan.to_lane)
@@ -296,6 +299,22 @@ class Engine:
         budget = self.placement.prefill_budget(len(decodes))
         prefills = self.scheduler.schedule_prefill(budget)
         return decodes, prefills + self._admit_waiting(budget - sum(len(c.offsets) for c in prefills))
+
+    def _fail_window_starved(self) -> None:
+        """A step that schedules nothing while requests run (none held by the prefill lane) means
+        every one of them waits for window slots (a windowed pool). While the radix tree has
+        unlocked entries, each step evicts some (the room may come); once it has none, nothing will
+        free a window: no request progresses, so none trims one. Then the newest of them fails with
+        the reason (the others go on with what it held) instead of the engine spinning forever."""
+        starved = [req for req in self.scheduler.running
+                   if req.pending and req.rid not in self.scheduler.held]
+        if (self.cache.windows is None or not starved or self.scheduler.held
+                or self.cache.radix.evictable_size() > 0):
+            return
+        self._fail(starved[-1], RuntimeError(
+            f"the sliding-window layers' pool ({self.cache.windows.window_allocator.num_slots} window slots) has no "
+            f"room for this request's next chunk and nothing running will free any: raise --num-slots"),
+            "prefill scheduling")
 
     def _admit_waiting(self, budget: int) -> list[Chunk]:
         """Admission: waiting requests, first come first served, each given its slots

@@ -138,6 +138,33 @@ def test_spare_windows_are_given_back_when_room_runs_short(tiny_path, full_layou
     assert pool.window_slots < 5 * 150 and pool.window_allocator.num_used <= pool.window_slots
 
 
+def test_a_request_that_can_never_get_window_slots_fails_instead_of_the_engine_spinning(tiny_path):
+    """Every window slot carried by a locked radix path (windows that are neither spare nor evictable:
+    the path is locked, as the fidelity harness locks turn 1, and held by an SCR session) and nothing
+    else running: the next request's chunk can never get a window. It fails with the reason, the
+    engine stays consistent and goes on once room is back."""
+    from kvsplice.bench.fidelity import NO_NAMESPACE
+    from kvsplice.engine.engine import RequestFailedError
+
+    llm = _llm(tiny_path, num_slots=400, max_running=1)
+    engine, pool = llm.engine, llm.engine.cache.pool
+    held = _ids(2 * pool.window_slots, 7)
+    llm.generate([held], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    node = engine.cache.radix.match_prefix(held, NO_NAMESPACE).node
+    engine.cache.radix.lock(node)
+    path = engine.cache.radix.match_prefix(held, NO_NAMESPACE).slots
+    pool.drop_spare(pool.window_slots, torch.zeros(pool.num_slots, dtype=torch.bool))
+    lacking = path[~pool.has_window[path]][: pool.window_allocator.num_free]
+    assert pool.ensure_window(lacking) and pool.window_allocator.num_free == 0   # all on the locked path
+    with pytest.raises(RequestFailedError, match="window slots"):   # raised: the engine did not spin
+        llm.generate([_ids(40, 8)], GREEDY)
+    engine.check_integrity()
+    engine.cache.radix.unlock(node)
+    engine.flush_cache()   # the SCR session of `held` (which also holds its path) goes too
+    again = llm.generate([_ids(40, 8)], GREEDY)[0]
+    assert again.finish_reason == "length"
+
+
 def test_prefix_hit_after_a_finished_request_is_exact(tiny_path, full_layout):
     """The next turn appends to a finished request: it hits the whole previous sequence (its tail
     windows are kept), and equals the full layout. A prompt that diverges far before the end is
