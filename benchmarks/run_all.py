@@ -209,6 +209,16 @@ BENCHMARKS = (
               "not run it), so they differ by the state gap alone.",
               (r"^\d+ conversations", r"^\| (model|dense|hybrid) "),
               ("model", "mode", "checkpoint policy", "prefilled / edited turn", "extra vs dense", "states kept (max)")),
+    Benchmark("gemma3_scr", "Gemma 3 270M: SCR on 8K- and 16K-token edited chats, sliding-window layers", "sliding window",
+              "python benchmarks/gemma3.py --skip-exact --skip-speed --memory-lengths 32768 --window-check 0 "
+              "--scr-lengths 8192,16384 --threads 1",
+              "Agent chats of 8K and 16K tokens, each edited once (a tool result deleted or replaced by a "
+              "note, a note inserted, reasoning stripped): mean KL over the last 32 positions and at the last position against exact "
+              "recompute at the default SCR setting, against storing the exact K/V in fp8, with the share of "
+              "the prompt computed; and the K/V memory one 32K-token request needs.",
+              "`--dtype auto` (bf16), the GGUF's own blocks, Gemma's turns "
+              "(benchmarks/templates/gemma3_turns.jinja); the engine's pool holds 4x turn 1 + 4,096 slots.",
+              (r"^\| tokens \| all-full", r"^\| 32768 \|", r"^\| tokens \| setting", r"^\| \d+ \| (default|fp8)")),
     Benchmark("weight_formats", "Weight formats: fidelity against the fp32 model", "fast decode",
               "python benchmarks/weight_formats.py",
               "Each --dtype / --weight-format on the built-in edit cases, whole prompt computed: KL(fp32 dense "
@@ -272,8 +282,7 @@ INTRO = """\
 # kvsplice benchmarks
 
 What kvsplice was measured doing, with the command behind every figure. **The defaults** are those
-of `kvsplice serve` with no flags: SCR with at most 6 relocated spans (K=6), a recomputed tail of 16
-tokens per span, and selective recompute of the first 8 tokens of every relocated span
+of `kvsplice serve` with no flags: SCR with at most 6 relocated spans (K=6), a recomputed tail of 16 tokens per span, and selective recompute of the first 8 tokens of every relocated span
 (`--scr-seam-tokens 8`) and of every message opening inside an edited span (role, line break, first
 content token: `--scr-message-start-tokens 1`); `--dtype auto` (bf16 where the CPU has avx512_bf16
 / amx_bf16, else float32), `--weight-format auto` (with bf16, the GGUF's 4-bit groups), `--compile-decode auto` (the compiled

@@ -77,7 +77,8 @@ def test_the_span_limit_grows_with_the_prompt_per_span_scale_tokens():
     fixed = ReuseConfig(max_spans=3, span_scale_tokens=0)
     assert fixed.span_limit(10**6) == 3
     assert ReuseConfig(max_spans=1000, span_scale_tokens=1).span_limit(10**6) == 1024  # max_spans' bound
-    assert ReuseConfig().span_limit(2048) == 6 and ReuseConfig().span_limit(2049) == 12
+    assert ReuseConfig().span_limit(10**6) == 6   # the default: K whatever the length
+    assert ReuseConfig(span_scale_tokens=2048).span_limit(2049) == 12
 
 
 def test_minimum_span_is_min_span_plus_tail():
