@@ -27,10 +27,9 @@ class ReuseConfig:
     enabled: bool = True
     max_spans: int = 6  # K: spans relocated per request (per span_scale_tokens of prompt), the longest first
     # K may grow with the prompt: a prompt of n tokens relocates at most K * ceil(n / span_scale_tokens)
-    # spans (0, the default: K whatever the length). On Gemma 3 with every reasoning block of a 16K-token
-    # chat stripped, K=6 computes 79% of the prompt (the spans left unchosen) at KL 0.0020; K per 2,048
-    # tokens computes 4.3% of the four long cases but that case's KL is 0.041, ten times fp8 K/V's
-    # (docs/BENCHMARKS_HISTORY.md): a compute-for-fidelity trade a deployment may choose, not the default
+    # spans (0, the default: K whatever the length). On Gemma 3's 16K-token edited chats, K per 2,048
+    # tokens computes 4.3% of the prompts against 19.4% with K fixed, at a mean KL of 0.011 against
+    # 0.009 (a chat with every reasoning block stripped: 0.041 against 0.033; docs/BENCHMARKS_HISTORY.md)
     span_scale_tokens: int = 0
     tail: int = 16  # last tokens of each span recomputed instead of relocated (>= 1)
     min_span: int = 64  # minimum relocated length of a span
