@@ -20,7 +20,7 @@ opencode an OpenAI-compatible provider in its config file; none sends anything e
 The model (--model) is SmolLM2-135M-Instruct by default, kvsplice's default model: an instruct model that
 ends its turns (<|im_end|>), served with its own ChatML template (kvsplice puts the tools in the system
 turn and reads Hermes-style <tool_call> replies). Its native context is 8K tokens, less than the CLIs'
-system prompts and tools and their replies (SmolLM2 tokens: Codex ~6.6K, opencode ~7.7K, Claude Code ~5K
+system prompts and tools and their replies (SmolLM2 tokens: Codex ~6.6K, opencode ~7.7K, Claude Code ~3.4K
 with its four core tools, `--tools Bash,Read,Edit,Write`; ~20K with all 24), so it is served with YaRN RoPE
 scaling x2 (16K; `--hf-overrides`, vLLM's flag); what that costs the model: experiments/yarn_long_prompt.py.
 The turns (--task) are by default short questions the 135M model answers and ends ("What is 2+2? Answer
@@ -195,7 +195,7 @@ class ModelChoice:
 
 MODELS = {
     # 8K native context; YaRN x2 (16K) makes room for the CLIs' prompts and replies (SmolLM2 tokens:
-    # Codex ~6.6K, opencode ~7.7K, Claude Code ~5K with CLAUDE_TOOLS)
+    # Codex ~6.6K, opencode ~7.7K, Claude Code ~3.4K with CLAUDE_TOOLS)
     "smollm2": ModelChoice("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, 8K native context)", smollm2_model_dir,
                            None, {"codex": 16384, "claude": 16384, "opencode": 16384},
                            {"codex": yarn(2, 8192), "claude": yarn(2, 8192), "opencode": yarn(2, 8192)}),
@@ -390,7 +390,7 @@ class HarnessRun:
         if self.name == "claude":
             resume = [] if turn == 1 else ["--continue"]
             # its core tools only: all 24 of its tools are ~16K SmolLM2 tokens (Workflow alone ~5K), these
-            # four ~1.5K, so its prompt (~5K tokens) fits the 16K that the other two CLIs get
+            # four ~1.5K, so its prompt (~3.4K tokens) fits the 16K that the other two CLIs get
             return [exe, "-p", *resume, "--model", self.model, "--max-turns", "4", "--permission-mode", "acceptEdits",
                     "--tools", CLAUDE_TOOLS, "--", prompt]
         resume = [] if turn == 1 else ["--continue"]
