@@ -199,7 +199,7 @@ MODELS = {
     "smollm2": ModelChoice("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF, 8K native context)", smollm2_model_dir,
                            None, {"codex": 16384, "claude": 16384, "opencode": 16384},
                            {"codex": yarn(2, 8192), "claude": yarn(2, 8192), "opencode": yarn(2, 8192)}),
-    # its native RoPE and 8K context: Codex's prompts fit, Claude Code's do not
+    # its native RoPE and 8K context: Codex's and Claude Code's (CLAUDE_TOOLS) prompts fit, with little room
     "smollm2-native": ModelChoice("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), native 8K context",
                                   smollm2_model_dir, None, {"codex": 8192, "claude": 8192, "opencode": 8192},
                                   {"codex": [], "claude": [], "opencode": []}),
@@ -461,9 +461,9 @@ def opencode_run(home: Path, base_url: str, reply_tokens: int, cache: Path, mode
 
 def run_harness(run: HarnessRun, executable: Path, proxy: RecordingProxy, prompts: tuple[str, ...], turns: int,
                 work: Path, timeout: float, after_turn) -> list[dict[str, Any]]:
-    """The CLI through `turns` turns of `prompts` (cycled) in a fresh workspace; one entry per turn (its exit code, seconds, the
-    lines of its output that report a failed request, the output's tail), handed to `after_turn` as each
-    turn ends (so that a run stopped early keeps the turns it finished)."""
+    """The CLI through `turns` turns of `prompts` (cycled) in a fresh workspace; one entry per turn (its
+    exit code, seconds, the lines of its output that report a failed request, the output's tail), handed
+    to `after_turn` as each turn ends (so that a run stopped early keeps the turns it finished)."""
     workdir = work / f"{run.name}-workspace"
     workdir.mkdir()
     for name, text in WORKSPACE.items():
@@ -643,7 +643,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--task", choices=sorted(TASKS), default="chat",
                         help="the scripted turns: chat (short questions the small models end) or files")
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
-                        help="smollm2 (default; YaRN-extended per harness), smollm2-native (no YaRN) or gemma3 (a base model)")
+                        help="smollm2 (default; YaRN x2), smollm2-native (no YaRN) or gemma3 (a base model)")
     parser.add_argument("--reply-tokens", type=int, default=512, help="the model's max_new_tokens (default 512)")
     parser.add_argument("--turn-timeout", type=float, default=5400.0, help="seconds one CLI turn may take")
     parser.add_argument("--cache", type=Path, default=CACHE, help="where the CLIs are installed from npm")

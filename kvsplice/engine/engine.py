@@ -306,8 +306,7 @@ class Engine:
         unlocked entries, each step evicts some (the room may come); once it has none, nothing will
         free a window: no request progresses, so none trims one. Then the newest of them fails with
         the reason (the others go on with what it held) instead of the engine spinning forever."""
-        starved = [req for req in self.scheduler.running
-                   if req.pending and req.rid not in self.scheduler.held]
+        starved = [req for req in self.scheduler.running if req.pending]
         if (self.cache.windows is None or not starved or self.scheduler.held
                 or self.cache.radix.evictable_size() > 0):
             return

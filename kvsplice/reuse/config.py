@@ -273,7 +273,8 @@ class EnvVar(NamedTuple):
 ENV_TABLE: tuple[EnvVar, ...] = (
     EnvVar("KVREUSE_ENABLED", "enabled", parse_bool, "--scr-enabled", "turn Suffix Cache Reuse on or off"),
     EnvVar("KVREUSE_MAX_BLOCKS", "max_spans", parse_int, "--scr-max-spans",
-           "K: surviving spans relocated per request, the longest first (per --scr-span-scale-tokens of prompt)"),
+           "K: surviving spans relocated per request, the longest first (per KVREUSE_SPAN_SCALE_TOKENS of prompt "
+           "where set)"),
     EnvVar("KVREUSE_SPAN_SCALE_TOKENS", "span_scale_tokens", parse_int, "--scr-span-scale-tokens",
            "K applies per this many prompt tokens: a prompt of n tokens relocates at most "
            "K * ceil(n / this) spans (0: K whatever the prompt's length)"),

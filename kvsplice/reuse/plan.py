@@ -310,7 +310,7 @@ def removed_spans(keeps: Sequence[Keep], runs: Sequence[EqualRun]) -> tuple[tupl
 
 
 def choose_keeps(runs: Sequence[EqualRun], *, prefix_len: int, old_kv_len: int, cfg: ReuseConfig,
-                 prompt_len: int = 0) -> tuple[Keep, ...]:
+                 prompt_len: int) -> tuple[Keep, ...]:
     """The keeps, in new order: each run is clipped to start at/after prefix_len in new; its
     relocatable part is [start, end - tail), clipped to old_kv_len in old; runs whose relocatable
     part reaches min_span are candidates; the cfg.span_limit(prompt_len) longest win (ties: the

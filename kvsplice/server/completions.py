@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -191,8 +191,7 @@ def _prompt_choices(prompt: _Prompt, completion: _Completion, body: p.Completion
     prompt_ids, score_only = prompt.prompt_ids, completion.score_only
     prompt_lps = next((o.prompt_logprobs for o in prompt.first.outputs if o.prompt_logprobs), None)
     prompt_text = _echo_text(prompt, tokenizer) if body.echo else ""
-    top_n = body.logprobs or 0
-    echoed = list(zip(prompt_ids, prompt_lps or (None,) * len(prompt_ids))) if body.echo else []
+    echoed = _echo_logprobs(prompt, prompt.first.outputs, body, tokenizer) if body.echo else None
     out = []
     for choice in prompt.choices:
         outs = [] if score_only else choice.tracker.outputs
@@ -200,9 +199,9 @@ def _prompt_choices(prompt: _Prompt, completion: _Completion, body: p.Completion
         logprobs = None
         if body.logprobs is not None:
             generated = [(lp.token_id, lp) for o in outs for lp in o.logprobs]
-            as_ids = body.return_tokens_as_token_ids
-            logprobs = _joined(_logprobs(tokenizer, echoed, 0, top_n, as_ids),
-                               _logprobs(tokenizer, generated, len(prompt_text), None, as_ids))
+            logprobs = _logprobs(tokenizer, generated, len(prompt_text), None, body.return_tokens_as_token_ids)
+            if echoed is not None:
+                logprobs = _joined(echoed, logprobs)
         reason = "length" if score_only else choice.tracker.last.finish_reason
         entry = {"index": choice.index, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": reason,
                  **finish_fields(tokenizer, prompt.params, prompt_ids, outs, reason)}
@@ -222,10 +221,11 @@ def _echo_text(prompt: _Prompt, tokenizer) -> str:
                                                                                  skip_special_tokens=False)
 
 
-def _echo_logprobs(prompt: _Prompt, out: RequestOutput, body: p.CompletionRequest, tokenizer) -> dict[str, Any]:
-    """The echoed prompt's `logprobs` for a streamed choice's first chunk (from `out` or, with n > 1,
-    the output of the request that prefilled the prompt; null entries where none has arrived)."""
-    lps = next((o.prompt_logprobs for o in (out, *prompt.first.outputs) if o.prompt_logprobs), None)
+def _echo_logprobs(prompt: _Prompt, outputs: Sequence[RequestOutput], body: p.CompletionRequest,
+                   tokenizer) -> dict[str, Any]:
+    """The echoed prompt's `logprobs` (the first of `outputs` that carries prompt logprobs; null
+    entries where none does yet): the answer's, and a streamed choice's first chunk's."""
+    lps = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
     echoed = list(zip(prompt.prompt_ids, lps or (None,) * len(prompt.prompt_ids)))
     return _logprobs(tokenizer, echoed, 0, body.logprobs or 0, body.return_tokens_as_token_ids)
 
@@ -269,7 +269,7 @@ async def _chunks(completion: _Completion, body: p.CompletionRequest, tokenizer,
             logprobs = _logprobs(tokenizer, [(lp.token_id, lp) for lp in out.logprobs], offsets[index], None,
                                  body.return_tokens_as_token_ids)
             if echo:
-                logprobs = _joined(_echo_logprobs(prompt, out, body, tokenizer), logprobs)
+                logprobs = _joined(_echo_logprobs(prompt, (out, *prompt.first.outputs), body, tokenizer), logprobs)
         offsets[index] += len(out.new_text)
         if not (echo or out.new_text or out.finished or logprobs or (body.return_token_ids and out.new_token_ids)):
             continue
