@@ -123,8 +123,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("dtype", MODEL, "weights and KV dtype: auto | float32 | bfloat16 | float16; auto is bfloat16 where "
                "the CPU has native bf16 matmul (avx512_bf16 / amx_bf16), else float32", cli_default="auto"),
     EngineFlag("weight_format", MODEL, "projection / lm_head weights: auto (int4 where the checkpoint already is "
-               "int4 data, e.g. a Q4_0 / Q4_1 GGUF, with bf16), dense, int8, int4, gguf (a GGUF's own blocks for "
-               "decode rows)", choices=WEIGHT_FORMAT_CHOICES),
+               "int4 data, e.g. a Q4_0 / Q4_1 GGUF, with bf16; a GGUF's own blocks where they are other formats, "
+               "e.g. Q4_K_M), dense, int8, int4, gguf (a GGUF's own blocks for decode rows)", choices=WEIGHT_FORMAT_CHOICES),
     EngineFlag("max_model_len", MODEL, "longest prompt + completion (default: the model's own limit)"),
     EngineFlag("hf_overrides", MODEL, "JSON object of model config keys to override (vLLM's flag): rope_scaling / "
                "rope_parameters, rope_theta, max_position_embeddings, ...; e.g. YaRN to extend the context",

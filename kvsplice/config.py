@@ -36,8 +36,9 @@ class EngineConfig:
         natively (avx512_bf16 / amx_bf16), float32 elsewhere (`kvsplice.engine.llm.resolve_auto_dtype`).
     weight_format: "auto" | "dense" | "int8" | "int4" (`kvsplice.models.quantize`): the form of
         the projection and lm_head weights; "auto" uses int4 only where the checkpoint already
-        is int4 data (a GGUF Q4_0 / Q4_1) and the activations are bf16; "gguf": a GGUF's own
-        blocks for decode rows (bf16).
+        is int4 data (a GGUF Q4_0 / Q4_1) and the activations are bf16, a GGUF's own blocks where
+        its projections are other block formats (Q4_K_M files; bf16, fast path), else dense;
+        "gguf": a GGUF's own blocks for decode rows (bf16).
     fast_path: run eligible models through `kvsplice.models.fast_decode.FastDecoder` (fused,
         packed, decode over the DecodeArena); False: the reference Decoder for every step.
     compile_decode: "on": compile the fast path's decode-only steps with torch.compile

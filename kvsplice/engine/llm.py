@@ -32,8 +32,8 @@ from kvsplice.models.decoder import Decoder
 from kvsplice.models.default_model import cache_dir, resolve_model
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.models.hf_overrides import apply_hf_overrides, parse_hf_overrides
-from kvsplice.models.loader import load_checkpoint, load_gguf_blocks, resolve_dtype
-from kvsplice.models.quantize import WeightFormat, resolve_weight_format
+from kvsplice.models.loader import gguf_projection_types, load_checkpoint, load_gguf_blocks, resolve_dtype
+from kvsplice.models.quantize import WeightFormat, resolve_weight_format, wants_gguf_blocks
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.utils.thread_policy import ThreadPolicy
@@ -101,7 +101,8 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     model_config = ModelConfig.from_hf_config(hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)
-    if config.weight_format == "gguf" and ckpt.source_path.lower().endswith(".gguf"):
+    if wants_gguf_blocks(config.weight_format, gguf_projection_types(ckpt.source_path),
+                         bf16=dtype == torch.bfloat16, fast_path=config.fast_path and FastDecoder.supports(model_config)):
         model.gguf_blocks = load_gguf_blocks(ckpt.source_path, ckpt.hf_config)
     model.to(config.device).eval()
     if choice.enabled:

@@ -229,6 +229,17 @@ def load_gguf_linears(gguf_path: str | Path, names: list[str], **options) -> dic
     return {name: linear_from_gguf(reader, name, **options) for name in names}
 
 
+GGUF_PROJECTIONS = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+
+
+def gguf_projection_types(path: str | Path) -> set[str]:
+    """The tensor types (``Q4_K``, ``Q8_0``, ``F32`` ...) of a GGUF's attention and MLP projections,
+    read from its header only; empty for a checkpoint that is not a .gguf file."""
+    if not str(path).lower().endswith(".gguf"):
+        return set()
+    return {tensor.tensor_type.name for tensor in open_gguf(path).tensors if GGUF_PROJECTIONS.fullmatch(tensor.name)}
+
+
 def load_gguf_blocks(gguf_path: str | Path, hf_config: dict) -> dict[str, GroupedWeight]:
     """Every 2-D block-format tensor of a GGUF (projections, the embedding / output) decoded into
     its GroupedWeight (kvsplice.layers.gguf_blocks), by its transformers name, q/k rows put in

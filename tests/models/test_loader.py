@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvsplice.models.default_model import DEFAULT_MODEL, cache_dir, find_default_gguf, pull_default_model, resolve_model
-from kvsplice.models.loader import load_checkpoint, resolve_dtype
+from kvsplice.models.loader import gguf_projection_types, load_checkpoint, resolve_dtype
+from kvsplice.models.quantize import wants_gguf_blocks
 from kvsplice.tokenizer_llama2c import Llama2cBPE
 
 STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
@@ -208,3 +209,41 @@ def test_a_head_stored_as_int8_blocks_is_read_before_the_cast(tmp_path):
     assert model.head_blocks is None
     with pytest.raises(ValueError, match="do not fit"):
         model.load_hf_state_dict(checkpoint.state_dict, stored_head_blocks({}, {"lm_head.weight": stored["lm_head.weight"][:, :32]}))
+
+
+def test_gguf_projection_types_read_the_header(tmp_path):
+    gguf_path = tmp_path / "tiny.gguf"
+    gguf_test_helpers().write_tiny_gguf(gguf_path, "llama", tied=True)
+    assert gguf_projection_types(gguf_path) == {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+    assert gguf_projection_types(tmp_path / "model_dir") == set()   # not a .gguf: nothing read
+
+
+@pytest.mark.parametrize("name, types, bf16, fast_path, wanted", [
+    ("auto", {"Q4_K", "Q6_K", "Q8_0"}, True, True, True),     # a Q4_K_M file: its blocks
+    ("auto", {"Q4_1", "F32"}, True, True, False),             # int4 already: auto's own int4 path
+    ("auto", {"F16", "BF16"}, True, True, False),             # no block format at all
+    ("auto", {"Q4_K"}, False, True, False),                   # fp32: dense and exact
+    ("auto", {"Q4_K"}, True, False, False),                   # the reference path computes densely
+    ("auto", set(), True, True, False),                       # not a GGUF
+    ("dense", {"Q4_K"}, True, True, False),
+    ("gguf", {"Q4_K"}, False, False, True),                   # asked for: loaded (resolve says what is wrong)
+    ("gguf", set(), True, True, False),
+])
+def test_which_checkpoints_load_their_gguf_blocks(name, types, bf16, fast_path, wanted):
+    assert wants_gguf_blocks(name, types, bf16=bf16, fast_path=fast_path) is wanted
+
+
+def test_auto_multiplies_a_ggufs_own_blocks_where_they_are_not_int4(tmp_path, monkeypatch):
+    """--weight-format auto on a GGUF of mixed block formats at bf16 takes its blocks ("gguf"); in
+    fp32, or with dense asked for, the dense weights. The engine answers either way."""
+    from kvsplice import LLM, SamplingParams
+
+    monkeypatch.setenv("KVSPLICE_CACHE", str(tmp_path / "cache"))
+    gguf_path = tmp_path / "tiny.gguf"
+    gguf_test_helpers().write_tiny_gguf(gguf_path, "llama", tied=True)
+    for dtype, fmt, expected in (("bfloat16", "auto", "gguf"), ("float32", "auto", "dense"),
+                                 ("bfloat16", "dense", "dense")):
+        llm = LLM(model=str(gguf_path), dtype=dtype, weight_format=fmt, num_slots=256)
+        assert llm.engine.runner.weight_format.projections == expected, (dtype, fmt)
+        [out] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert len(out.token_ids) == 4
