@@ -217,8 +217,14 @@ def memory_section(path, lengths: list[int]) -> None:
               f"{arena_full / mib:.0f} | {arena_rings / mib:.0f} ({arena_rings / arena_full:.0%}) |")
         del full, pool
     print("  pool tensors: a pool of tokens + 64 full slots and default_window_slots(max_running=1) window "
-          "slots, scaled to the request's tokens; decode arena: its row for the request (the contiguous copy "
-          "decode steps read, besides the pool)")
+          "slots for the working set alone, scaled to the request's tokens; decode arena: its row for the "
+          "request (the contiguous copy decode steps read, besides the pool)")
+    server_slots, longest = 65_536, cfg.max_position_embeddings
+    served = default_window_slots(server_slots, cfg.sliding_window, chunk, 8, longest)
+    full_bytes, window_bytes = len(windows) - sliding, sliding
+    print(f"  the server's default pool (--num-slots {server_slots}, a {longest}-token context): {served} window "
+          f"slots (one context's windows kept for SCR), tensors "
+          f"{(server_slots * full_bytes + served * window_bytes) / (server_slots * len(windows)):.0%} of all-full")
 
 
 def real_window_check(path, length: int) -> None:

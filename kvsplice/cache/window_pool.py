@@ -320,11 +320,21 @@ class WindowedKVPool:
             assert self.window_of[carriers].unique().numel() == carriers.numel(), "a window slot carried twice"
 
 
-def default_window_slots(num_slots: int, window: int, max_batch_tokens: int, max_running: int) -> int:
+def default_window_slots(num_slots: int, window: int, max_batch_tokens: int, max_running: int,
+                         longest: int = 0) -> int:
     """M for a pool of `num_slots` full slots: the tail, window and chunk of two running requests
     (3 W + a chunk each), plus an eighth of the pool for checkpoint windows (the radix tree's and the
     running requests': one W per 4096 tokens of `WindowKeep.checkpoint_spacing`); never more than
     `num_slots`. More requests at once share it: a chunk that finds no window slot (after evicting
-    the tree's) waits a step."""
+    the tree's) waits a step.
+
+    At least `longest` (the longest sequence, `max_model_len`) plus one request's tail, window and
+    chunk: an edited turn of a chat that long relocates its sliding-layer K/V wherever a computed
+    token's window reaches (message openings put one every few hundred tokens), so the windows of
+    the whole previous turn must still be there, as spare windows, while the new turn's chunks take
+    their own. With fewer, a 32K-token edited turn of Gemma 3 found no window slot for its first
+    chunk (the pool held 15,360 for 65,536 full slots). At the server's 65,536 full slots and
+    Gemma 3's 32K context that is 36,352 (0.55 of the full slots; SGLang's default
+    `--swa-full-tokens-ratio` is 0.8)."""
     per_request = 3 * window + max_batch_tokens
-    return min(num_slots, num_slots // 8 + min(max_running, 2) * per_request)
+    return min(num_slots, max(num_slots // 8 + min(max_running, 2) * per_request, longest + per_request))

@@ -106,7 +106,9 @@ def make_pool(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtyp
     windows = [model_config.layer_window(layer_id) for layer_id in model_config.kv_layers]
     if uses_window_pool(model_config):
         window = next(w for w in windows if w is not None)
-        window_slots = default_window_slots(config.num_slots, window, config.max_batch_tokens, config.max_running)
+        longest = min(config.max_model_len or model_config.max_position_embeddings, config.num_slots)
+        window_slots = default_window_slots(config.num_slots, window, config.max_batch_tokens, config.max_running,
+                                            longest)
         return WindowedKVPool(config.num_slots, windows, model_config.num_kv_heads, model_config.head_dim,
                               window_slots, dtype=dtype, device=config.device)
     return KVPool(config.num_slots, model_config.num_kv_layers, model_config.num_kv_heads,

@@ -116,3 +116,11 @@ def test_move_window_hands_the_window_slot_over_with_its_keys_turned():
     with pytest.raises(ValueError, match="move_window"):
         pool.move_window(src, dst, torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6]), None)
     pool.check_integrity()
+
+
+def test_default_window_slots_hold_the_longest_sequence_beside_a_chunk():
+    """An edited turn as long as the model's context relocates the sliding-layer K/V of the whole
+    previous turn: the default pool keeps that many windows, plus one request's working set."""
+    assert default_window_slots(65_536, 512, 2048, 8, longest=32_768) == 32_768 + 3 * 512 + 2048
+    assert default_window_slots(65_536, 512, 2048, 8, longest=1024) == 65_536 // 8 + 2 * (3 * 512 + 2048)
+    assert default_window_slots(20_000, 512, 2048, 8, longest=32_768) == 20_000   # never above the pool

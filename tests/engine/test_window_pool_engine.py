@@ -146,21 +146,28 @@ def test_a_request_that_can_never_get_window_slots_fails_instead_of_the_engine_s
     from kvsplice.bench.fidelity import NO_NAMESPACE
     from kvsplice.engine.engine import RequestFailedError
 
-    llm = _llm(tiny_path, num_slots=400, max_running=1)
+    # the default window pool holds one max_model_len sequence and a working set: two locked
+    # paths of that length carry more windows than it has
+    llm = _llm(tiny_path, num_slots=400, max_running=1, max_model_len=100)
     engine, pool = llm.engine, llm.engine.cache.pool
-    held = _ids(2 * pool.window_slots, 7)
-    llm.generate([held], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    node = engine.cache.radix.match_prefix(held, NO_NAMESPACE).node
-    engine.cache.radix.lock(node)
-    path = engine.cache.radix.match_prefix(held, NO_NAMESPACE).slots
+    nodes, paths = [], []
+    for seed in (7, 9):
+        held = _ids(99, seed)
+        llm.generate([held], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        nodes.append(engine.cache.radix.match_prefix(held, NO_NAMESPACE).node)
+        engine.cache.radix.lock(nodes[-1])
+        paths.append(engine.cache.radix.match_prefix(held, NO_NAMESPACE).slots)
+    path = torch.cat(paths)
+    assert path.numel() > pool.window_slots
     pool.drop_spare(pool.window_slots, torch.zeros(pool.num_slots, dtype=torch.bool))
     lacking = path[~pool.has_window[path]][: pool.window_allocator.num_free]
-    assert pool.ensure_window(lacking) and pool.window_allocator.num_free == 0   # all on the locked path
+    assert pool.ensure_window(lacking) and pool.window_allocator.num_free == 0   # all on the locked paths
     with pytest.raises(RequestFailedError, match="window slots"):   # raised: the engine did not spin
         llm.generate([_ids(40, 8)], GREEDY)
     engine.check_integrity()
-    engine.cache.radix.unlock(node)
-    engine.flush_cache()   # the SCR session of `held` (which also holds its path) goes too
+    for node in nodes:
+        engine.cache.radix.unlock(node)
+    engine.flush_cache()   # the SCR sessions of the held prompts (which also hold their paths) go too
     again = llm.generate([_ids(40, 8)], GREEDY)[0]
     assert again.finish_reason == "length"
 
