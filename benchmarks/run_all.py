@@ -105,12 +105,6 @@ BENCHMARKS = (
               "and TTFT for SCR, prefix caching alone and the lower bound (changed + appended tokens).",
               f"{FLOAT32}; {SCR_30_NOV}.",
               (r"^\| (edit|all)",)),
-    Benchmark("tenant_flood", "Two tenants, one flooding", "tenancy",
-              "python benchmarks/tenant_flood.py",
-              "Tenant A's returning turns while tenant B floods the pool with new prompts: A's hit rate "
-              "against no flood, at plain LRU and at `--tenant-kv-share 0.5`. Goal: within 10%.",
-              "`--num-slots 2000`, in process, load 8-17.",
-              (r"^\s+tenant share", r"^\s+[01]")),
     Benchmark("edit_cost", "An edited turn against the tokens it computes", "SCR",
               "python benchmarks/edit_cost.py --repeats 1",
               "Built-in edit cases (per case, with relocation and forward: docs/benchmarks/edit_cost.txt).",
@@ -226,20 +220,24 @@ BENCHMARKS = (
               "Each format as its row names it (`bfloat16 auto` is what `--dtype auto --weight-format auto` runs "
               "on a CPU with bf16 matmul), against float32 dense; no SCR.",
               (r"^\d+ edit cases", r"^dtype", r"^bfloat16")),
-    Benchmark("step_cost", "Step cost with prefill next to a decode: the step-budget defaults", "fast decode",
-              "python benchmarks/step_cost.py",
-              "One request decodes at a 2,000-token context while another prefills: a step's CPU time per "
-              "prefill share, as a multiple of a decode-only step.",
-              "The defaults as resolved on this CPU (`--dtype auto`: bf16; `--weight-format auto`: int4 projections, "
-              "bf16 lm_head), one thread (`OMP_NUM_THREADS=1`)."),
     Benchmark("vs_llamacpp", "Against llama.cpp's llama-server on the same GGUF", "fast decode",
-              "python benchmarks/vs_llamacpp.py --kvsplice-args=--compile-decode --out runs/vs_llamacpp.json",
+              "python benchmarks/vs_llamacpp.py --out runs/vs_llamacpp.json",
               "Both servers on the default model's Q4_1 GGUF, one busy at a time, the same token ids: cold "
               "prefill, decode for 1 and 8 streams, inter-token latency while 4 others prefill 2K prompts, "
               "edited-turn TTFT (SCR against `--cache-reuse 16`), whole agent turns; goals in the notes.",
-              "with `--compile-decode`; otherwise the `kvsplice serve` defaults (`--dtype auto`: "
-              f"bf16 here, `--weight-format auto`); {SCR_16}.",
+              "`kvsplice serve` with no flags (`--dtype auto`: bf16 here, `--weight-format auto`: int4 "
+              "projections, `--compile-decode auto`: compiled where its trial measures it faster).",
               (r"^measure ", r"^(cold|decode|ITL|TTFT|edited|agent)[ ,]")),
+    Benchmark("gemma3_vs_llamacpp", "Gemma 3 270M against llama-server: 32K-token prompts and edits",
+              "sliding window",
+              "python benchmarks/gemma3_vs_llamacpp.py --out runs/gemma3_vs_llamacpp.json",
+              "Both servers on Gemma 3 270M's Q4_K_M GGUF, one busy at a time, the same token ids: cold "
+              "prefill at 2K, 8K and 32K tokens, decode for 1 and 8 streams, and the edited turn of a 32K-token "
+              "agent chat (a tool result deleted; reasoning stripped) after its turn 1, with what each server "
+              "reused.",
+              "`kvsplice serve --model <the GGUF>`, no other flags (`--dtype auto`: bf16 here, `--weight-format "
+              "auto`: the GGUF's own blocks); llama-server `-np 8 -c 8x33280 --cache-reuse 16`.",
+              (r"^\| measure", r"^\| (cold|decode|edited)", r"^  (delete|strip)")),
     Benchmark("startup", "Start-up: /health and the compiled decode step", "fast decode",
               "python benchmarks/startup.py --timeout-s 300",
               "A fresh `kvsplice serve`, empty compile cache then warm: time to /health and to the compiled "

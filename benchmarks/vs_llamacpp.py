@@ -19,6 +19,10 @@ tokenizer and chat template), greedy, `ignore_eos` with a fixed `max_tokens`, st
                    (`kvsplice.bench.workload`: tool calls, edits, 100-400 output tokens per turn),
                    median over turns
 
+Each server is measured once it has settled: kvsplice's compiled decode step built (its first
+build with an empty compile cache takes minutes; benchmarks/startup.py measures that) and auto's
+speed trial decided on a short request.
+
 It prints one table of both servers and the ratios, the CPU (model and flags) and the load
 average before and after, and writes the figures as JSON (--out). Without llama-server (not
 found through --llama-server, $LLAMA_SERVER, PATH or the peer build cache) it prints why and
@@ -127,6 +131,7 @@ class Stream:
     sent: float
     chunks: list[float] = field(default_factory=list)
     done: float = 0.0
+    last: dict = field(default_factory=dict)   # the last JSON chunk (usage, a server's timings)
 
     @property
     def ttft(self) -> float:
@@ -155,6 +160,7 @@ def complete(base: str, prompt: list[int], max_tokens: int, extra: dict, stop: O
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            stream.last = chunk
             if chunk.get("choices"):
                 stream.chunks.append(time.perf_counter())
                 if on_chunk is not None:
@@ -313,7 +319,24 @@ def agent_turns(base: str, work: Workload, session: bool) -> dict:
             "agent_turns": len(walls), "agent_output_tokens": tokens, "agent_total_s": sum(walls)}
 
 
+def settle(server: Server, work: Workload) -> dict:
+    """Decode short requests until a compiled decode step (kvsplice with `--compile-decode` on or
+    auto; GET /health's `compiled_decode`) has left "building" and "measuring": the graphs are taken
+    between decode steps and auto's speed trial advances on them, so an idle server stays there. The
+    figures are then those of a server past its start-up, which benchmarks/startup.py measures on
+    its own. Returns the seconds it took and the state reached (None: no compiled step)."""
+    started = time.perf_counter()
+    state = httpx.get(f"{server.url}/health", timeout=30).json().get("compiled_decode")
+    while state in ("building", "measuring") and time.perf_counter() - started < 1800:
+        complete(server.url, work.random(32), 16, {})
+        state = httpx.get(f"{server.url}/health", timeout=30).json().get("compiled_decode")
+    return {"settle_s": time.perf_counter() - started, "compiled_decode": state}
+
+
 def measure(server: Server, work: Workload, plan: Plan, session: bool) -> dict:
+    settled = settle(server, work)
+    print(f"  {server.name}: start-up settled in {settled['settle_s']:.1f} s (compiled decode: "
+          f"{settled['compiled_decode']})", flush=True)
     figures = {}
     for phase in (lambda: cold_prefill(server.url, work, plan), lambda: decode(server.url, work, plan),
                   lambda: itl_under_prefill(server.url, work, plan), lambda: edited_ttft(server.url, work, session),

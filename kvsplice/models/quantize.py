@@ -79,10 +79,8 @@ def wants_gguf_blocks(name: str, gguf_types: set[str], bf16: bool, fast_path: bo
     "gguf"; for "auto" where the GGUF's projections hold block formats other than Q4_0 / Q4_1 (those
     auto multiplies as int4, exactly) and the model runs bf16 on the fast path. `gguf_types`: the
     GGUF's 2-D tensor types (empty for other checkpoints). Why auto takes them: on Gemma 3 270M's
-    Q4_K_M file one decode row runs on the blocks' int4 planes at about 1.2x the dense bf16 copy's
-    speed (24.6-27.6 against 21.3-22.4 tokens/s in process at a 2K context, Intel Xeon with AMX,
-    2 threads); prefill runs on the same dense copy either way, and the 700-token prompt
-    logprobs' error against transformers' fp32 forward is the same (mean 0.0022 nats)."""
+    Q4_K_M file one decode row runs faster on the blocks' int4 planes than on the dense bf16 copy,
+    at the same prompt-logprob error (docs/BENCHMARKS_HISTORY.md, "--weight-format auto on Gemma 3")."""
     if name == "gguf":
         return bool(gguf_types)
     block_types = gguf_types & BLOCK_FORMATS.keys()
