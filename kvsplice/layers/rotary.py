@@ -195,6 +195,26 @@ def move_keys(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, inv
     Where an element of small magnitude is not recovered (its pair partner is much larger), its
     error stays within the stored key's own rounding error, as before.
     """
+    rows = max(1, MOVE_CHUNK_ELEMENTS // max(1, k[0].numel()))
+    if k.shape[0] <= rows:
+        return _move_rows(k, src_pos, dst_pos, inv_freq, attention_scaling)
+    moved = torch.empty_like(k)
+    for start in range(0, k.shape[0], rows):   # each row on its own: the same bits in any chunking
+        end = start + rows
+        moved[start:end] = _move_rows(k[start:end], src_pos[start:end], dst_pos[start:end], inv_freq,
+                                      attention_scaling)
+    return moved
+
+
+# Rows of keys `move_keys` turns at a time, in elements: the fp32 temporaries of a chunk stay in the
+# caches, several times faster on a long edit's sliding layers than one piece, bit for bit
+# (docs/BENCHMARKS_HISTORY.md, "Moving keys in chunks of rows").
+MOVE_CHUNK_ELEMENTS = 1 << 20
+
+
+def _move_rows(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, inv_freq: torch.Tensor,
+               attention_scaling: float) -> torch.Tensor:
+    """`move_keys` of one chunk of rows (see there)."""
     if k.dtype == torch.float32:
         return rerotate(k, dst_pos - src_pos, inv_freq)
     raw = unrotate(k, *rope_cos_sin(src_pos, inv_freq, 1.0), attention_scaling).to(k.dtype)
@@ -243,6 +263,14 @@ class LayerRotaries:
         """`Rotary.move_keys` of keys `k [N, kv_layers * heads, head_dim]` (the KV-pool layers side
         by side, as SCR relocation passes them), each layer's heads by that layer's RoPE."""
         per_layer = k.view(k.shape[0], len(self.kv_layers), -1, k.shape[-1])
-        moved = [rotary.move_keys(per_layer[:, index], src_pos, dst_pos)
-                 for index, rotary in enumerate(self.kv_layers)]
-        return torch.stack(moved, dim=1).view(k.shape)
+        groups: dict[int, list[int]] = {}   # layers of one RoPE turn together: one cos/sin per row
+        for index, rotary in enumerate(self.kv_layers):
+            groups.setdefault(id(rotary), []).append(index)
+        if len(groups) == 1:
+            return self.kv_layers[0].move_keys(k, src_pos, dst_pos)
+        moved = torch.empty_like(per_layer)
+        for indices in groups.values():
+            chosen = per_layer[:, indices]
+            turned = self.kv_layers[indices[0]].move_keys(chosen.reshape(k.shape[0], -1, k.shape[-1]), src_pos, dst_pos)
+            moved[:, indices] = turned.view(chosen.shape)
+        return moved.view(k.shape)

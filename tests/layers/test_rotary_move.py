@@ -98,3 +98,19 @@ def test_no_rotary_or_no_delta_copies_keys_as_they_are():
     moved = Keep(10, 3, 16)
     relocate(pool, src, dst, moved, None)
     assert torch.equal(pool.k[:, dst], pool.k[:, src]) and torch.equal(pool.v[:, dst], pool.v[:, src])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layer_ropes", [("default",) * 4, ("default", "yarn", "default", "yarn")])
+def test_layer_rotaries_turn_each_layer_as_its_own_rope_does(dtype, layer_ropes):
+    """LayerRotaries.move_keys turns the layers of one RoPE in one call (the window pool's sliding
+    layers share one): bit for bit each layer's own Rotary.move_keys."""
+    ropes = tuple(_rope(kind) for kind in layer_ropes)
+    rotaries = LayerRotaries(ropes, kv_layers=tuple(range(len(ropes))))
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(40, len(ropes) * 2, HEAD_DIM, generator=generator).to(dtype)
+    src, dst = torch.arange(100, 140), torch.arange(7, 47)
+    moved = rotaries.move_keys(keys, src, dst).view(40, len(ropes), 2, HEAD_DIM)
+    per_layer = keys.view(40, len(ropes), 2, HEAD_DIM)
+    for index, rotary in enumerate(rotaries.kv_layers):
+        assert torch.equal(moved[:, index], rotary.move_keys(per_layer[:, index], src, dst))
