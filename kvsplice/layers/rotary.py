@@ -195,7 +195,7 @@ def move_keys(k: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor, inv
     Where an element of small magnitude is not recovered (its pair partner is much larger), its
     error stays within the stored key's own rounding error, as before.
     """
-    rows = max(1, MOVE_CHUNK_ELEMENTS // max(1, k[0].numel()))
+    rows = max(1, MOVE_CHUNK_ELEMENTS // max(1, math.prod(k.shape[1:])))
     if k.shape[0] <= rows:
         return _move_rows(k, src_pos, dst_pos, inv_freq, attention_scaling)
     moved = torch.empty_like(k)

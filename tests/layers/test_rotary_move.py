@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
-from kvsplice.layers.rotary import LayerRotaries, Rotary, apply_rope
+from kvsplice.layers.rotary import LayerRotaries, Rotary, apply_rope, rope_cos_sin, unrotate
 from kvsplice.layers.rotary_move import span_turn, turn_layer_keys_
 from kvsplice.models.config import rope_from_hf_config
 from kvsplice.reuse.plan import Keep
@@ -114,3 +114,19 @@ def test_layer_rotaries_turn_each_layer_as_its_own_rope_does(dtype, layer_ropes)
     per_layer = keys.view(40, len(ropes), 2, HEAD_DIM)
     for index, rotary in enumerate(rotaries.kv_layers):
         assert torch.equal(moved[:, index], rotary.move_keys(per_layer[:, index], src, dst))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 6000])
+def test_move_keys_in_chunks_equals_one_piece(rows):
+    """move_keys turns long inputs in chunks of rows: the same bits as one piece, and no rows at all
+    gives no rows."""
+    rotary = Rotary(_rope("default"))
+    generator = torch.Generator().manual_seed(4)
+    keys = torch.randn(rows, 3, HEAD_DIM, generator=generator).to(torch.bfloat16)
+    src, dst = torch.arange(50, 50 + rows), torch.arange(9, 9 + rows)
+    chunked = rotary.move_keys(keys, src, dst)
+    assert chunked.shape == keys.shape
+    if rows:
+        whole = apply_rope(unrotate(keys, *rope_cos_sin(src, rotary.inv_freq, 1.0), rotary.attention_scaling)
+                           .to(keys.dtype), *rotary.cos_sin(dst))
+        assert torch.equal(chunked, whole)
