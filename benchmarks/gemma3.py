@@ -221,10 +221,10 @@ def memory_section(path, lengths: list[int]) -> None:
           "request (the contiguous copy decode steps read, besides the pool)")
     server_slots, longest = 65_536, cfg.max_position_embeddings
     served = default_window_slots(server_slots, cfg.sliding_window, chunk, 8, longest)
-    full_bytes, window_bytes = len(windows) - sliding, sliding
+    full_layers = len(windows) - sliding   # every layer's slot holds the same bytes
     print(f"  the server's default pool (--num-slots {server_slots}, a {longest}-token context): {served} window "
           f"slots (one context's windows kept for SCR), tensors "
-          f"{(server_slots * full_bytes + served * window_bytes) / (server_slots * len(windows)):.0%} of all-full")
+          f"{(server_slots * full_layers + served * sliding) / (server_slots * len(windows)):.0%} of all-full")
 
 
 def real_window_check(path, length: int) -> None:

@@ -32,6 +32,7 @@ from kvsplice.models.decoder import Decoder
 from kvsplice.models.default_model import cache_dir, resolve_model
 from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.models.hf_overrides import apply_hf_overrides, parse_hf_overrides
+from kvsplice.models.gguf_convert import open_gguf
 from kvsplice.models.loader import gguf_projection_types, load_checkpoint, load_gguf_blocks, resolve_dtype
 from kvsplice.models.quantize import WeightFormat, resolve_weight_format, wants_gguf_blocks
 from kvsplice.reuse.accounting import ReuseStats
@@ -101,9 +102,7 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     model_config = ModelConfig.from_hf_config(hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
     model.load_hf_state_dict(ckpt.state_dict, ckpt.head_blocks)
-    if wants_gguf_blocks(config.weight_format, gguf_projection_types(ckpt.source_path),
-                         bf16=dtype == torch.bfloat16, fast_path=config.fast_path and FastDecoder.supports(model_config)):
-        model.gguf_blocks = load_gguf_blocks(ckpt.source_path, ckpt.hf_config)
+    model.gguf_blocks = _gguf_blocks(config, ckpt, model_config, dtype)
     model.to(config.device).eval()
     if choice.enabled:
         weight_format = resolve_weight_format(config.weight_format, model)
@@ -140,6 +139,20 @@ def _compile_facts(config: EngineConfig, dtype: torch.dtype) -> dict:
     on_cpu = str(config.device) == "cpu"
     return {"cpu_flags": read_cpu_flags() if on_cpu else frozenset(), "compiler": find_cpp_compiler(),
             "dtype": str(dtype).removeprefix("torch.")}
+
+
+def _gguf_blocks(config: EngineConfig, ckpt, model_config: ModelConfig, dtype: torch.dtype) -> dict:
+    """The GGUF's blocks where the weight format takes them (`wants_gguf_blocks`), else {}. The
+    file's header is read only where they may be taken, and once (a reader parses all of it)."""
+    fast_path = config.fast_path and FastDecoder.supports(model_config)
+    bf16 = dtype == torch.bfloat16
+    maybe = config.weight_format == "gguf" or (config.weight_format == "auto" and bf16 and fast_path)
+    if not maybe or not ckpt.source_path.lower().endswith(".gguf"):
+        return {}
+    reader = open_gguf(ckpt.source_path)
+    if not wants_gguf_blocks(config.weight_format, gguf_projection_types(reader), bf16=bf16, fast_path=fast_path):
+        return {}
+    return load_gguf_blocks(reader, ckpt.hf_config)
 
 
 def _fast_path_missing(config: EngineConfig, model_config: ModelConfig) -> str | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import gguf
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -232,20 +233,23 @@ def load_gguf_linears(gguf_path: str | Path, names: list[str], **options) -> dic
 GGUF_PROJECTIONS = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 
 
-def gguf_projection_types(path: str | Path) -> set[str]:
+def gguf_projection_types(path: str | Path | gguf.GGUFReader) -> set[str]:
     """The tensor types (``Q4_K``, ``Q8_0``, ``F32`` ...) of a GGUF's attention and MLP projections,
-    read from its header only; empty for a checkpoint that is not a .gguf file."""
-    if not str(path).lower().endswith(".gguf"):
+    from its header (`path`: a file, or a reader already open on it); empty for a checkpoint that is
+    not a .gguf file."""
+    if not isinstance(path, gguf.GGUFReader) and not str(path).lower().endswith(".gguf"):
         return set()
-    return {tensor.tensor_type.name for tensor in open_gguf(path).tensors if GGUF_PROJECTIONS.fullmatch(tensor.name)}
+    reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
+    return {tensor.tensor_type.name for tensor in reader.tensors if GGUF_PROJECTIONS.fullmatch(tensor.name)}
 
 
-def load_gguf_blocks(gguf_path: str | Path, hf_config: dict) -> dict[str, GroupedWeight]:
+def load_gguf_blocks(gguf_path: str | Path | gguf.GGUFReader, hf_config: dict) -> dict[str, GroupedWeight]:
     """Every 2-D block-format tensor of a GGUF (projections, the embedding / output) decoded into
     its GroupedWeight (kvsplice.layers.gguf_blocks), by its transformers name, q/k rows put in
     the order the converted checkpoint has them (`--weight-format gguf`: the fast path multiplies
-    few rows with these blocks). ValueError when the file cannot be read."""
-    reader = open_gguf(gguf_path)
+    few rows with these blocks). `gguf_path`: a file, or a reader already open on it (opening one
+    parses the whole header: seconds for a large vocabulary). ValueError when the file cannot be read."""
+    reader = gguf_path if isinstance(gguf_path, gguf.GGUFReader) else open_gguf(gguf_path)
     arch = gguf_architecture(reader)
     heads_of = {"self_attn.q_proj": hf_config["num_attention_heads"],
                 "self_attn.k_proj": hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])}
