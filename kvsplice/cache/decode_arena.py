@@ -235,9 +235,8 @@ class DecodeArena:
         # [layers, filled, heads, dim] (a windowed pool: sliding layers hold only the window, the
         # rest zeros that no sliding layer reads); a row is [layers, heads, filled, dim]
         keys, values = pool.gather_layers(slots)
-        columns = list(self.column_layers)
-        self.k[:, row, :, :filled] = keys[columns].transpose(1, 2)
-        self.v[:, row, :, :filled] = values[columns].transpose(1, 2)
+        self.k[:, row, :, :filled] = self._columns(keys).transpose(1, 2)
+        self.v[:, row, :, :filled] = self._columns(values).transpose(1, 2)
         if self.ring_layers:   # the W - 1 positions before this step's token, at their ring columns
             first = max(0, filled - (self.ring_width - 1))
             ring_columns = torch.arange(first, filled) % self.ring_width
@@ -247,6 +246,13 @@ class DecodeArena:
         self.reqs.append(req)
         self.lengths.append(filled)
         return True
+
+    def _columns(self, per_layer: torch.Tensor) -> torch.Tensor:
+        """The column layers of `per_layer [layers, ...]`: itself when every layer is one (a pool
+        without sliding layers; indexing would copy it once more), else a copy of those layers."""
+        if len(self.column_layers) == per_layer.shape[0]:
+            return per_layer
+        return per_layer.index_select(0, torch.tensor(self.column_layers, dtype=torch.long))
 
     def _drop(self, row: int) -> None:
         last = len(self.reqs) - 1

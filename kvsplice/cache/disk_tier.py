@@ -672,7 +672,7 @@ def kv_from_pool(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
     """The K/V of `slots` (in token order) as one fresh tensor [layers, 2, tokens, kv_heads,
     head_dim] on the CPU: what a `TierEntry` holds (safe to hand to `put`: the pool may reuse
     the slots at once)."""
-    return torch.stack((pool.k[:, slots], pool.v[:, slots]), dim=1).cpu()
+    return torch.stack((pool.k.index_select(1, slots), pool.v.index_select(1, slots)), dim=1).cpu()
 
 
 def kv_into_pool(pool: KVPool, slots: torch.Tensor, kv: torch.Tensor) -> None:

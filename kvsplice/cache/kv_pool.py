@@ -83,7 +83,10 @@ class SlotAllocator:
             raise RuntimeError("double free of a KV slot")
         self.refcount[slots] -= 1
         released = slots[self.refcount[slots] == 0]
-        self._free.extend(released.tolist())
+        # last in, first out, and in reverse: `alloc` takes the list's tail backwards, so slots
+        # freed as an ascending run come back as that run (relocation and attention read a run as
+        # a slice, scattered slots row by row)
+        self._free.extend(released.tolist()[::-1])
         if self.on_release is not None and released.numel():
             self.on_release(released)
 
@@ -134,7 +137,7 @@ class KVPool:
 
     def gather_layers(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every layer at `slots`, `[layers, n, kv_heads, head_dim]` (copies)."""
-        return self.k[:, slots], self.v[:, slots]
+        return self.k.index_select(1, slots), self.v.index_select(1, slots)   # row copies: see planned_attention
 
     def bytes_per_slot(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()

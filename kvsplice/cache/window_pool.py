@@ -279,14 +279,15 @@ class WindowedKVPool:
         layers = len(self.full_layers) + len(self.sliding_layers)
         shape = (layers, slots.numel(), *self.k.shape[2:])
         k, v = torch.zeros(shape, dtype=self.k.dtype), torch.zeros(shape, dtype=self.k.dtype)
-        k[list(self.full_layers)] = self.k[:, slots]
-        v[list(self.full_layers)] = self.v[:, slots]
+        full = torch.tensor(self.full_layers, dtype=torch.long)
+        k.index_copy_(0, full, self.k.index_select(1, slots))
+        v.index_copy_(0, full, self.v.index_select(1, slots))
         held = self.has_window[slots]
         rows = torch.nonzero(held).flatten()
         window = self.window_of[slots[held]]
         sliding = torch.tensor(self.sliding_layers)
-        k[sliding[:, None], rows[None, :]] = self.window_k[:, window]
-        v[sliding[:, None], rows[None, :]] = self.window_v[:, window]
+        k[sliding[:, None], rows[None, :]] = self.window_k.index_select(1, window)
+        v[sliding[:, None], rows[None, :]] = self.window_v.index_select(1, window)
         return k, v
 
     # ----- accounting ----------------------------------------------------------------------

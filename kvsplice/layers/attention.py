@@ -71,8 +71,9 @@ def decode_attention(q: torch.Tensor, layer_id: int, padded: PaddedContexts, poo
                      scale: float) -> torch.Tensor:
     """One query per request, all requests in one SDPA call: `q [B, Hq, D]` against the padded
     contexts `[B, C]` (masked by position and padding). Same result as the reference path."""
-    k = pool.k_layer(layer_id)[padded.slots].to(q.dtype)   # [B, C, Hkv, D]
-    v = pool.v_layer(layer_id)[padded.slots].to(q.dtype)
+    flat, shape = padded.slots.flatten(), (*padded.slots.shape, *pool.k.shape[2:])
+    k = pool.k_layer(layer_id).index_select(0, flat).view(shape).to(q.dtype)   # [B, C, Hkv, D]
+    v = pool.v_layer(layer_id).index_select(0, flat).view(shape).to(q.dtype)
     attended = F.scaled_dot_product_attention(
         q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=padded.mask, scale=scale, enable_gqa=True)
@@ -213,8 +214,10 @@ def planned_attention(q: torch.Tensor, plan: SequencePlan, k_layer: torch.Tensor
         k = k_layer[plan.run_start:plan.run_start + width].to(q.dtype)   # [C', Hkv, D] (a view)
         v = v_layer[plan.run_start:plan.run_start + width].to(q.dtype)
     else:
-        k = k_layer[plan.slots].to(q.dtype)
-        v = v_layer[plan.slots].to(q.dtype)
+        # index_select copies whole rows; indexing with a tensor (k_layer[slots]) goes element by
+        # element and is several times slower (docs/BENCHMARKS_HISTORY.md, "Gathering K/V with index_select")
+        k = k_layer.index_select(0, plan.slots).to(q.dtype)
+        v = v_layer.index_select(0, plan.slots).to(q.dtype)
     # SDPA wants [batch, heads, rows, dim]: 4-D inputs let torch pick its fused CPU kernel
     # (3-D ones fall back to the slower unfused math path); the mask broadcasts over heads.
     # enable_gqa expands the kv heads inside SDPA, q head h reading kv head h // (Hq / Hkv)

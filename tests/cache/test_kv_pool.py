@@ -30,6 +30,16 @@ def test_alloc_starts_at_slot_zero_and_reuses_freed_slots_first():
     assert allocator.alloc(1).tolist() == [1]
 
 
+def test_a_freed_run_of_slots_comes_back_as_the_same_ascending_run():
+    """Relocation and attention read ascending runs as slices: slots freed together are handed out
+    again in their order, not reversed."""
+    allocator = SlotAllocator(16)
+    allocator.alloc(2)
+    run = allocator.alloc(6)
+    allocator.free(run)
+    assert allocator.alloc(6).tolist() == run.tolist() == [2, 3, 4, 5, 6, 7]
+
+
 def test_alloc_too_many_returns_none_and_changes_nothing():
     allocator = SlotAllocator(4)
     allocator.alloc(3)
