@@ -106,7 +106,7 @@ BENCHMARKS = (
               f"{FLOAT32}; {SCR_30_NOV}.",
               (r"^\| (edit|all)",)),
     Benchmark("edit_cost", "An edited turn against the tokens it computes", "SCR",
-              "python benchmarks/edit_cost.py --repeats 1",
+              "python benchmarks/edit_cost.py --repeats 3",
               "Built-in edit cases (per case, with relocation and forward: docs/benchmarks/edit_cost.txt).",
               "Defaults, in-process, 1 thread, CPU seconds.",
               (r"^ratio",)),
@@ -239,7 +239,7 @@ BENCHMARKS = (
               "auto`: the GGUF's own blocks); llama-server `-np 8 -c 8x33280 --cache-reuse 16`.",
               (r"^\| measure", r"^\| (cold|decode|edited)", r"^  (delete|strip)")),
     Benchmark("startup", "Start-up: /health and the compiled decode step", "fast decode",
-              "python benchmarks/startup.py --timeout-s 300",
+              "python benchmarks/startup.py --timeout-s 600",
               "A fresh `kvsplice serve`, empty compile cache then warm: time to /health and to the compiled "
               "step.",
               "`kvsplice serve`, no flags.",

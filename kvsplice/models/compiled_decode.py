@@ -64,6 +64,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -199,6 +200,13 @@ def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> tuple[tuple[torch.Tensor, .
     return tuple(inputs)
 
 
+# The interpreter's thread switch interval while the graphs build (below Python's default).
+# Tracing is Python that holds the GIL, and every eager step's torch call gives the GIL up and waits
+# for it back: at the default a step of a few hundred calls waited seconds
+# (docs/BENCHMARKS_HISTORY.md, "Decode steps while the compiled graphs build").
+BUILD_SWITCH_INTERVAL_S = 1e-4
+
+
 class CompiledDecode:
     """`decode_fn` (FastDecoder.arena_decode_hidden) compiled by `builder` for 1 and for
     2..`spec.max_rows` rows, built on a thread of its own once `start` (or `wait`) is called (see
@@ -318,13 +326,24 @@ class CompiledDecode:
         _log.info("compiled decode: %s", self.verdict.reason)
         return True
 
+    def _build_yielding(self, builder: DecodeBuilder, spec: GraphSpec) -> BuiltDecode:
+        """`builder.build` with the interpreter's switch interval at BUILD_SWITCH_INTERVAL_S, so that
+        the engine thread gets the GIL back soon after each torch call. Side effect: the interval is
+        process-wide; it is set back to what it was before this returns or raises."""
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(BUILD_SWITCH_INTERVAL_S)
+        try:
+            return builder.build(self.eager, spec)
+        finally:
+            sys.setswitchinterval(switch_interval)
+
     def _build(self, builder: DecodeBuilder, spec: GraphSpec) -> None:
         """The build thread: build, log the time it took (or why it failed), hand the result over.
         It keeps the default CPU priority: at a lower one it was descheduled while holding the GIL
         that every step needs (measured on 2 cores busy with other work: a 64-token reply during the
         build took 44 s at nice 19, 12 s at the default priority)."""
         try:
-            built = builder.build(self.eager, spec)
+            built = self._build_yielding(builder, spec)
         except BaseException as exc:  # noqa: BLE001 -- the eager step serves; said once here
             self.error = exc
             _log.warning("compiled decode: the build failed, decode steps stay eager: %s: %s",

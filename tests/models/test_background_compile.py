@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 
@@ -15,7 +16,7 @@ import pytest
 
 from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import LLM, build_engine
-from kvsplice.models.compiled_decode import BuiltDecode, GraphSpec
+from kvsplice.models.compiled_decode import BUILD_SWITCH_INTERVAL_S, BuiltDecode, GraphSpec
 from kvsplice.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -97,6 +98,29 @@ def test_a_failed_build_leaves_the_eager_step_and_says_so_once(model_dir, caplog
     assert [r.message for r in caplog.records].count(
         "compiled decode: the build failed, decode steps stay eager: RuntimeError: no compiler today") == 1
     engine.check_integrity()
+
+
+class IntervalBuilder(GatedBuilder):
+    """A GatedBuilder that records the interpreter's switch interval while it builds."""
+
+    def build(self, decode_fn, spec: GraphSpec) -> BuiltDecode:
+        self.interval = sys.getswitchinterval()
+        return super().build(decode_fn, spec)
+
+
+@pytest.mark.parametrize("failure", [None, RuntimeError("no compiler today")])
+def test_the_build_runs_at_a_short_switch_interval_and_sets_it_back(model_dir, failure):
+    """Tracing holds the GIL that every eager step's torch calls take back: the build runs at
+    BUILD_SWITCH_INTERVAL_S, and the process's own interval is back once it ends either way."""
+    before = sys.getswitchinterval()
+    builder = IntervalBuilder(failure)
+    builder.gate.set()
+    engine = build_engine(_config(model_dir), decode_builder=builder, wait_for_compile=False)
+    compiled = engine.runner.fast.compiled
+    compiled.start()
+    assert compiled.future.exception(10) is failure
+    assert builder.interval == pytest.approx(BUILD_SWITCH_INTERVAL_S) and builder.interval < before
+    assert sys.getswitchinterval() == before
 
 
 def test_build_engine_waits_for_the_build_by_default(model_dir):
