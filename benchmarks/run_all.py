@@ -203,16 +203,18 @@ BENCHMARKS = (
               "not run it), so they differ by the state gap alone.",
               (r"^\d+ conversations", r"^\| (model|dense|hybrid) "),
               ("model", "mode", "checkpoint policy", "prefilled / edited turn", "extra vs dense", "states kept (max)")),
-    Benchmark("gemma3_scr", "Gemma 3 270M: SCR on 8K- and 16K-token edited chats, sliding-window layers", "sliding window",
+    Benchmark("gemma3_scr", "Gemma 3 270M: SCR on 8K-, 16K- and 32K-token edited chats, sliding-window layers",
+              "sliding window",
               "python benchmarks/gemma3.py --skip-exact --skip-speed --memory-lengths 32768 --window-check 0 "
-              "--scr-lengths 8192,16384 --threads 1",
-              "Agent chats of 8K and 16K tokens, each edited once (a tool result deleted or replaced by a "
-              "note, a note inserted, reasoning stripped): mean KL over the last 32 positions and at the last position against exact "
-              "recompute at the default SCR setting, against storing the exact K/V in fp8, with the share of "
-              "the prompt computed; and the K/V memory one 32K-token request needs.",
-              "`--dtype auto` (bf16), the GGUF's own blocks, Gemma's turns "
-              "(benchmarks/templates/gemma3_turns.jinja); the engine's pool holds 4x turn 1 + 4,096 slots.",
-              (r"^\| tokens \| all-full", r"^\| 32768 \|", r"^\| tokens \| setting", r"^\| \d+ \| (default|fp8)")),
+              "--scr-lengths 8192,16384,32768 --threads 1",
+              "Agent chats of 8K, 16K and 32K tokens, each edited once (a tool result deleted or replaced by a "
+              "note, a note inserted, reasoning stripped): KL over the last 32 positions and at the last one against exact "
+              "recompute, SCR's default against the exact K/V in fp8; the share computed; the K/V memory of one "
+              "32K-token request.",
+              "`--dtype auto` (bf16), the GGUF's blocks, Gemma's turns "
+              "(benchmarks/templates/gemma3_turns.jinja); a pool of 4x turn 1 + 4,096 slots.",
+              (r"^\| tokens \| all-full", r"^\| 32768 \|", r"^\| tokens \| setting",
+               r"^\| \d+ \| (default|fp8 K/V per tensor)")),
     Benchmark("weight_formats", "Weight formats: fidelity against the fp32 model", "fast decode",
               "python benchmarks/weight_formats.py",
               "Each --dtype / --weight-format on the built-in edit cases, whole prompt computed: KL(fp32 dense "
