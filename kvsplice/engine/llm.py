@@ -34,7 +34,7 @@ from kvsplice.models.fast_decode import FastDecoder
 from kvsplice.models.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from kvsplice.models.gguf_convert import open_gguf
 from kvsplice.models.loader import gguf_projection_types, load_checkpoint, load_gguf_blocks, resolve_dtype
-from kvsplice.models.quantize import WeightFormat, resolve_weight_format, wants_gguf_blocks
+from kvsplice.models.quantize import WeightFormat, may_want_gguf_blocks, resolve_weight_format, wants_gguf_blocks
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
 from kvsplice.utils.thread_policy import ThreadPolicy
@@ -146,8 +146,7 @@ def _gguf_blocks(config: EngineConfig, ckpt, model_config: ModelConfig, dtype: t
     file's header is read only where they may be taken, and once (a reader parses all of it)."""
     fast_path = config.fast_path and FastDecoder.supports(model_config)
     bf16 = dtype == torch.bfloat16
-    maybe = config.weight_format == "gguf" or (config.weight_format == "auto" and bf16 and fast_path)
-    if not maybe or not ckpt.source_path.lower().endswith(".gguf"):
+    if not may_want_gguf_blocks(config.weight_format, bf16, fast_path) or not ckpt.source_path.lower().endswith(".gguf"):
         return {}
     reader = open_gguf(ckpt.source_path)
     if not wants_gguf_blocks(config.weight_format, gguf_projection_types(reader), bf16=bf16, fast_path=fast_path):

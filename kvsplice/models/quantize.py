@@ -81,10 +81,17 @@ def wants_gguf_blocks(name: str, gguf_types: set[str], bf16: bool, fast_path: bo
     GGUF's 2-D tensor types (empty for other checkpoints). Why auto takes them: on Gemma 3 270M's
     Q4_K_M file one decode row runs faster on the blocks' int4 planes than on the dense bf16 copy,
     at the same prompt-logprob error (docs/BENCHMARKS_HISTORY.md, "--weight-format auto on Gemma 3")."""
+    if not may_want_gguf_blocks(name, bf16, fast_path):
+        return False
     if name == "gguf":
         return bool(gguf_types)
-    block_types = gguf_types & BLOCK_FORMATS.keys()
-    return name == "auto" and bf16 and fast_path and bool(block_types - {"Q4_0", "Q4_1"})
+    return bool(gguf_types & BLOCK_FORMATS.keys() - {"Q4_0", "Q4_1"})
+
+
+def may_want_gguf_blocks(name: str, bf16: bool, fast_path: bool) -> bool:
+    """Whether `wants_gguf_blocks` can be True for any GGUF: the part of its decision that needs no
+    tensor types (so a caller reads a GGUF's header only where they matter)."""
+    return name == "gguf" or (name == "auto" and bf16 and fast_path)
 
 
 @torch.no_grad()
