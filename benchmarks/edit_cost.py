@@ -3,7 +3,8 @@ the built-in edit cases, as a multiple of a cold prefill of as many tokens plus 
 
     python benchmarks/edit_cost.py [--model M] [--repeats 3]
 
-One engine at the defaults (`--dtype auto`, `--weight-format auto`, SCR at its defaults), in this
+One engine at the defaults (`--dtype auto`, `--weight-format auto`, `--fused-relocation auto`, SCR at
+its defaults), in this
 process, no HTTP. Per case (`kvsplice.bench.edit_cases.builtin_cases`) and repeat: turn 1 in a
 session of its own (a 16-token greedy reply), then turn 2 timed from `add_request` to its first
 token and to its second (one decode step at turn 2's context); then a cold prompt of as many
@@ -43,7 +44,7 @@ TURN1_REPLY = 16
 # CPU seconds of this process: other processes on a shared machine inflate them far less than wall time
 CLOCK = time.process_time
 # the profiled functions of each phase: (file's tail, function name)
-PHASES = {"admission": ("reuse_manager.py", "_admit_scr"), "relocation": ("relocate.py", "relocate"),
+PHASES = {"admission": ("reuse_manager.py", "_admit_scr"), "relocation": ("relocate.py", "relocate_spans"),
           "forward": ("runner.py", "_forward")}
 
 
@@ -109,20 +110,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--fused-relocation", default="auto", choices=("auto", "on", "off"),
+                        help="as `kvsplice serve --fused-relocation` (default auto, the server's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(cpu_line())
     print(f"load average at start: {load()}")
-    llm = LLM(engine=build_engine(EngineConfig(model=args.model, dtype="auto", num_slots=32_768)))
+    # the cases before the engine: their texts are docstrings of the standard library's module namespaces
+    # (kvsplice.bench.workload.load_corpus), which the fused relocation's compile adds submodules to
+    cases = builtin_cases()
+    llm = LLM(engine=build_engine(EngineConfig(model=args.model, dtype="auto", num_slots=32_768,
+                                               fused_relocation=args.fused_relocation)))
     engine = llm.engine
     cold_ttft(engine, 256, "warm")   # first shapes of a prefill, before anything is timed
     print(f"{engine.runner.weight_format.describe()}, {engine.config.dtype}, SCR defaults, "
+          f"fused relocation {engine.config.fused_relocation}, "
           f"{torch.get_num_threads()} thread(s), CPU seconds")
     print("| edit | prompt | computed | edited TTFT s | cold prefill s | decode step s | ratio | "
           "admission s | relocation s | forward s | other s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
-    for case in builtin_cases():
+    for case in cases:
         runs = []
         for repeat in range(args.repeats):
             times, out, prompt = edited_turn(llm, case, f"{case.name}/{repeat}")

@@ -282,18 +282,19 @@ INTRO = """\
 # kvsplice benchmarks
 
 What kvsplice was measured doing, with the command behind every figure. **The defaults** are those
-of `kvsplice serve` with no flags: SCR with at most 6 relocated spans (K=6), a recomputed tail of 16 tokens per span, and selective recompute of the first 8 tokens of every relocated span
+of `kvsplice serve` with no flags: SCR with at most 6 relocated spans (K=6), a recomputed tail of 16 tokens per span, selective recompute of the first 8 tokens of each relocated span
 (`--scr-seam-tokens 8`) and of every message opening inside an edited span (role, line break, first
 content token: `--scr-message-start-tokens 1`); `--dtype auto` (bf16 where the CPU has avx512_bf16
-/ amx_bf16, else float32), `--weight-format auto` (with bf16, the GGUF's 4-bit groups), `--compile-decode auto` (the compiled
-step only where a trial at start-up finds it faster).
+/ amx_bf16), `--weight-format auto` (with bf16, the GGUF's 4-bit groups), `--compile-decode auto` (the compiled
+step where a trial at start-up finds it faster), `--fused-relocation auto` (a compiled kernel
+turns relocated bf16 keys).
 
 Each section gives its setting, date and CPU. A setting other than the defaults is named:
 `--dtype float32` where a script builds the engine in its own process (float32 is the default
 there), `--compile-decode`, or the SCR default of the day it ran. Ratios are against a baseline in
-the same run. TTFT is the noisiest figure.
+the same run. TTFT is noisiest.
 
-The page shows each output's summary lines; the whole output is in `docs/benchmarks/<name>.txt`.
+The page shows summary lines; each whole output is in `docs/benchmarks/<name>.txt`.
 Rebuild it with `python benchmarks/run_all.py` (about an hour), `--only NAME,...` or
 `--assemble-only` (stored outputs only). Superseded runs and experiments not kept:
 [BENCHMARKS_HISTORY.md](BENCHMARKS_HISTORY.md).

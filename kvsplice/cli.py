@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 from kvsplice.cache.disk_tier import DiskTierConfig, DiskTierError
-from kvsplice.config import COMPILE_DECODE_CHOICES, WEIGHT_FORMAT_CHOICES, EngineConfig
+from kvsplice.config import COMPILE_DECODE_CHOICES, FUSED_RELOCATION_CHOICES, WEIGHT_FORMAT_CHOICES, EngineConfig
 from kvsplice.models.hf_overrides import parse_hf_overrides
 from kvsplice.reuse.config import ENV_TABLE, FIELD_TYPES, EnvVar, ReuseConfig, check_field
 
@@ -138,6 +138,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "with native bf16 (avx512_bf16 / amx_bf16) and bf16 activations, then switched in only where "
                "it times faster than the eager step; a bare flag is on",
                choices=COMPILE_DECODE_CHOICES, cli_default="auto", bare="on"),
+    EngineFlag("fused_relocation", MODEL, "turn relocated bf16 / fp16 keys (SCR) with one compiled kernel "
+               "(torch.compile, inductor) instead of about twenty eager ops, with the same bits (checked when it "
+               "is built at start, seconds); auto: on where the keys are bf16 / fp16 on a CPU with a C++ "
+               "compiler; where building fails the eager turn serves and the reason is logged",
+               choices=FUSED_RELOCATION_CHOICES, cli_default="auto", bare="on", hidden=True),
     EngineFlag("num_slots", CACHE, "KV pool size in tokens"),
     EngineFlag("prefix_cache", CACHE, "turn the radix prefix cache off (and with it SCR)"),
     EngineFlag("decode_arena_tokens", CACHE, "bound (tokens) of the contiguous K/V copies of decoding requests; "
@@ -447,6 +452,8 @@ def _generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, os.environ)
     if config.compile_decode == "auto":   # one completion: a compile would cost more than it saves
         config = dataclasses.replace(config, compile_decode="off")
+    if config.fused_relocation == "auto":   # one completion relocates nothing
+        config = dataclasses.replace(config, fused_relocation="off")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     llm = LLM(engine=build_engine(config))
     prompt: str | list[int] = args.prompt

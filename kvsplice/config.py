@@ -12,6 +12,7 @@ from kvsplice.reuse.config import ReuseConfig
 
 WEIGHT_FORMAT_CHOICES = ("auto", "dense", "int8", "int4", "gguf")
 COMPILE_DECODE_CHOICES = ("auto", "on", "off")
+FUSED_RELOCATION_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class EngineConfig:
         minute with the compile cache warm; "off"; "auto": on where it is expected faster
         (`kvsplice.models.compile_choice`), resolved by `build_engine` (an Engine built directly
         takes auto as off). True / False are taken as "on" / "off".
+    fused_relocation: "on": SCR relocation turns bf16 / fp16 keys with one compiled kernel
+        (`kvsplice.layers.fused_turn`, torch.compile; the same bits as the eager turn, checked when
+        it is built at start, seconds; where it fails the eager turn serves and the reason is
+        logged); "off"; "auto": on where the keys are bf16 / fp16 on a CPU with a C++ compiler,
+        resolved by `build_engine` (an Engine built directly takes auto as off).
     decode_arena_tokens: bound of the DecodeArena (rows x capacity, tokens), the contiguous
         copies of decoding requests' K/V; 0 disables it (decode rows gather from the pool).
     step_budget_ratio: without a prefill lane, while requests decode, a step's prefill share is
@@ -87,6 +93,7 @@ class EngineConfig:
     weight_format: str = "auto"
     fast_path: bool = True
     compile_decode: str = "off"
+    fused_relocation: str = "off"
     decode_arena_tokens: int = 32_768
     step_budget_ratio: float = 2.5
     min_prefill_tokens: int = 16
@@ -102,6 +109,8 @@ class EngineConfig:
             object.__setattr__(self, "compile_decode", "on" if self.compile_decode else "off")
         if self.compile_decode not in COMPILE_DECODE_CHOICES:
             raise ValueError(f"compile_decode must be one of {COMPILE_DECODE_CHOICES}, got {self.compile_decode!r}")
+        if self.fused_relocation not in FUSED_RELOCATION_CHOICES:
+            raise ValueError(f"fused_relocation must be one of {FUSED_RELOCATION_CHOICES}, got {self.fused_relocation!r}")
         for name in ("num_slots", "max_batch_tokens", "max_running", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

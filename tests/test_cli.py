@@ -167,6 +167,15 @@ def test_compile_decode_flag():
     assert build_parser().parse_args(["pull", "--compile"]).compile is True
 
 
+def test_fused_relocation_flag():
+    """auto by default (the server's); a bare flag is on; a bad value exits 2."""
+    assert engine_config_from_args(_serve_args(), {}).fused_relocation == "auto"
+    assert engine_config_from_args(_serve_args("--fused-relocation"), {}).fused_relocation == "on"
+    for value in ("auto", "on", "off"):
+        assert engine_config_from_args(_serve_args("--fused-relocation", value), {}).fused_relocation == value
+    assert main(["serve", "--fused-relocation", "sometimes"]) == 2
+
+
 def test_workload_dispatch(tmp_path, capsys):
     out = tmp_path / "trace.jsonl"
     assert main(["workload", "--out", str(out), "--conversations", "1", "--seed", "0", "--min-tokens", "100",

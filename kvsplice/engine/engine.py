@@ -47,7 +47,9 @@ from kvsplice.engine.runner import ChunkResult, ModelRunner
 from kvsplice.engine.scheduler import Chunk, Scheduler
 from kvsplice.engine.step_plan import BesideLane, OneForward
 from kvsplice.layers.logits_processors import LogitsState
+from kvsplice.layers.fused_turn import KeyTurner, build_fused_turn
 from kvsplice.layers.rotary import LayerRotaries
+from kvsplice.layers.rotary_move import pool_layer_rotaries, turn_layer_keys_
 from kvsplice.layers.sampler import make_generator
 from kvsplice.models.config import ModelConfig
 from kvsplice.message_offsets import MessageStarts
@@ -124,6 +126,18 @@ def relocation_rotary(model: torch.nn.Module, pool: KVPool | WindowedKVPool):
     return model.rotary
 
 
+def key_turner(config: EngineConfig, pool: KVPool | WindowedKVPool, rotary) -> KeyTurner:
+    """What relocation turns `pool.k`'s keys with: the fused turn where `config.fused_relocation`
+    is "on" and it builds with the eager turn's bits (`kvsplice.layers.fused_turn`; the outcome
+    logged once), else the eager `turn_layer_keys_`. Side effect: compiles (seconds)."""
+    if config.fused_relocation != "on" or rotary is None:
+        return turn_layer_keys_
+    layers, _, heads, head_dim = pool.k.shape
+    choice = build_fused_turn(pool.k.dtype, heads, head_dim, pool_layer_rotaries(rotary, layers))
+    logger.info("%s", choice.reason)
+    return choice.turner
+
+
 def window_rotary(model: torch.nn.Module, pool: KVPool | WindowedKVPool):
     """The RoPE of the sliding layers of a windowed pool (None for any other pool)."""
     if not isinstance(pool, WindowedKVPool):
@@ -157,8 +171,9 @@ class Engine:
         self.cache = CacheManager(pool, config.prefix_cache, states, config.reuse.checkpoints(), tier,
                                   tenant_share=config.tenant_kv_share)
         self.failpoints = failpoints
-        self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=relocation_rotary(model, pool),
-                                  window_rotary=window_rotary(model, pool),
+        rotary = relocation_rotary(model, pool)
+        self.reuse = ReuseManager(self.cache, model_config, config.reuse, rotary=rotary,
+                                  window_rotary=window_rotary(model, pool), key_turner=key_turner(config, pool, rotary),
                                   failpoints=failpoints, message_starts=MessageStarts(tokenizer))
         self.scheduler = Scheduler(config, self.cache)
         self.cache.running = lambda: self.scheduler.running

@@ -110,7 +110,8 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
                                        fast_path=_fast_path_missing(config, model_config), **facts)
     _log.info("compiled decode: %s", choice.reason)
     measure = config.compile_decode == "auto"   # auto switches only where the step measures faster
-    config = dataclasses.replace(config, compile_decode="on" if choice.enabled else "off")
+    config = dataclasses.replace(config, compile_decode="on" if choice.enabled else "off",
+                                 fused_relocation=_fused_relocation(config, dtype, facts["compiler"]))
     if choice.enabled and decode_builder is None:
         decode_builder = InductorBuilder(decode_cache_dir(config, ckpt.name, hf_config, model_config,
                                                           weight_format), measure=measure)
@@ -132,6 +133,19 @@ def warm_compile_cache(config: EngineConfig) -> str:
     build_engine(dataclasses.replace(config, compile_decode="on"))
     return (f"compiled decode: built in {time.perf_counter() - started:.0f} s, cached in "
             f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'inductor default cache')}")
+
+
+def _fused_relocation(config: EngineConfig, dtype: torch.dtype, compiler: str | None) -> str:
+    """`config.fused_relocation` with auto decided: on where relocated keys are bf16 / fp16 on a CPU
+    with a C++ compiler (inductor needs one); the reason it is off logged once."""
+    if config.fused_relocation != "auto":
+        return config.fused_relocation
+    why_not = ("keys are float32 (one turn by the delta)" if dtype not in (torch.bfloat16, torch.float16)
+               else "not on a CPU" if str(config.device) != "cpu"
+               else "no C++ compiler found" if compiler is None else None)
+    if why_not is not None:
+        _log.info("fused relocation: off, %s", why_not)
+    return "off" if why_not else "on"
 
 
 def _compile_facts(config: EngineConfig, dtype: torch.dtype) -> dict:

@@ -70,6 +70,8 @@ from kvsplice.cache.radix import PrefixMatch
 from kvsplice.engine.cache_manager import CacheManager
 from kvsplice.engine.request import Req, StateReuse
 from kvsplice.engine.tier_reads import common_prefix_len
+from kvsplice.layers.fused_turn import KeyTurner
+from kvsplice.layers.rotary_move import turn_layer_keys_
 from kvsplice.models.config import ModelConfig
 from kvsplice.reuse.accounting import FlopsModel, ReuseStats, SessionKind
 from kvsplice.reuse.config import ReuseConfig, SettingError, parse_request_override
@@ -78,7 +80,7 @@ from kvsplice.reuse.plan import (Keep, PlanResult, SpanPlan, make_plan, prefill_
                                  removed_spans)
 from kvsplice.message_offsets import MessageStarts
 from kvsplice.reuse.recompute import in_edited_keeps, seam_offsets
-from kvsplice.reuse.relocate import relocate
+from kvsplice.reuse.relocate import relocate_spans
 from kvsplice.reuse.scr_request import ScrRequest
 from kvsplice.reuse.session import Session, SessionStore
 
@@ -114,8 +116,9 @@ class SessionKV:
 class ReuseManager:
     def __init__(self, cache: CacheManager, model_config: ModelConfig, config: ReuseConfig,
                  rotary=None, failpoints=None, message_starts: MessageStarts | None = None,
-                 window_rotary=None):
+                 window_rotary=None, key_turner: KeyTurner = turn_layer_keys_):
         self.cache = cache
+        self.key_turner = key_turner   # turns relocated keys: eager, or kvsplice.layers.fused_turn
         self.window_rotary = window_rotary   # a windowed pool: the sliding layers' RoPE
         self.message_starts = message_starts   # finds message openings for selective recompute
         self.failpoints = failpoints   # tests: kvsplice.engine.failpoints.Failpoints, or None
@@ -421,10 +424,11 @@ class ReuseManager:
 
     def _relocate(self, req: Req, plan: SpanPlan, old_slots: torch.Tensor, cfg: ReuseConfig) -> None:
         rotary = None if cfg.no_rerotate else self.rotary
-        for keep in plan.keeps:
+        for _ in plan.keeps:
             self._failpoint("relocate", req)
-            relocate(self.cache.pool, old_slots[keep.src_pos: keep.src_end],
-                     req.seq_slots[keep.dst_pos: keep.dst_end], keep, rotary)
+        relocate_spans(self.cache.pool, [(old_slots[keep.src_pos: keep.src_end],
+                                          req.seq_slots[keep.dst_pos: keep.dst_end], keep) for keep in plan.keeps],
+                       rotary, self.key_turner)
 
     def _relocate_windows(self, req: Req, scr: ScrRequest, old_slots: torch.Tensor) -> WindowMoves:
         """A windowed pool (sliding-window layers, kvsplice.cache.window_pool): the sliding layers

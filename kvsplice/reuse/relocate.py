@@ -16,41 +16,71 @@ grid first and rounds once at dst, as the forward does. What relocation cannot f
 were computed while attending to the old context: that is SCR's approximation, bounded by
 recomputing each span's tail. V is position-free and is copied as is.
 
-`relocate` works one layer at a time with `kvsplice.layers.rotary_move` (the fast path);
+`relocate` (one span) and `relocate_spans` (all of an edit's spans in one pass per layer) work one
+layer at a time with `kvsplice.layers.rotary_move` (the fast path);
 `relocate_reference` is the same copy through `move_keys` on every layer at once, kept as the
 reference it is tested against bit for bit (tests/reuse/test_relocate_precision.py).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.layers.rotary import LayerRotaries, Rotary
-from kvsplice.layers.rotary_move import SpanTurn, pool_layer_rotaries, span_turn, turn_layer_keys_
+from kvsplice.layers.fused_turn import KeyTurner
+from kvsplice.layers.rotary_move import SpanTurn, pool_layer_rotaries, spans_turn, turn_layer_keys_
 from kvsplice.reuse.plan import Keep
 
 
 def relocate(pool: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor, keep: Keep,
-             rotary: Rotary | LayerRotaries | None) -> None:
+             rotary: Rotary | LayerRotaries | None, turner: KeyTurner = turn_layer_keys_) -> None:
     """Copy K/V of `src_slots` (the old sequence's positions keep.src_pos ...) into `dst_slots`
     (positions keep.dst_pos ...) in every layer, keys turned to the new positions (skipped when
     `rotary` is None: the NO_REROTATE control, ReuseConfig.no_rerotate, set only in code).
+    `relocate_spans` of this one span; bit for bit `relocate_reference`. Side effect: writes
+    pool.k / pool.v at dst_slots. src and dst must not overlap."""
+    relocate_spans(pool, [(src_slots, dst_slots, keep)], rotary, turner)
 
-    One layer at a time: its keys gathered once, turned in place with the span's tables (computed
-    once per distinct RoPE, `rotary_move.span_turn`), written once; bit for bit
-    `relocate_reference`. Side effect: writes pool.k / pool.v at
-    dst_slots. src and dst must not overlap.
-    """
-    _check_lengths(src_slots, dst_slots, keep)
-    turns = _span_turns(pool, keep, rotary)
+
+def relocate_spans(pool: KVPool, spans: Sequence[tuple[torch.Tensor, torch.Tensor, Keep]],
+                   rotary: Rotary | LayerRotaries | None, turner: KeyTurner = turn_layer_keys_) -> None:
+    """Every span of `spans` ((src_slots, dst_slots, keep) each) relocated as `relocate` moves one,
+    the turned ones together and the unturned ones (delta 0, or no rotary) together:
+
+        spans     [ a: src -> dst, delta 12 ][ b: delta 0 ][ c: delta 40 ]
+        turned    a + c end to end: one gather, one turn (each key with its own span's tables,
+                  `rotary_move.spans_turn`), one scatter per layer
+        copied    b: one gather and one scatter per layer
+
+    one layer at a time, so an edit that leaves many spans (stripped reasoning blocks) costs a few
+    ops per layer instead of a few per span and layer. Bit for bit `relocate` of each span in turn.
+    `turner` turns one layer's keys in place: `turn_layer_keys_` (eager) or a
+    `kvsplice.layers.fused_turn.FusedTurn` (compiled, the same bits). Side effect: writes pool.k /
+    pool.v at every dst_slots. No source may overlap a destination."""
+    for src_slots, dst_slots, keep in spans:
+        _check_lengths(src_slots, dst_slots, keep)
+    turned = [rotary is not None and keep.delta != 0 for _, _, keep in spans]
+    moved = [span for span, turn in zip(spans, turned) if turn]
+    copied = [span for span, turn in zip(spans, turned) if not turn]
+    for group, turns in ((moved, _spans_turns(pool, [keep for _, _, keep in moved], rotary)), (copied, None)):
+        if group:
+            _move(pool, torch.cat([src for src, _, _ in group]), torch.cat([dst for _, dst, _ in group]), turns, turner)
+
+
+def _move(pool: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor, turns: list[SpanTurn] | None,
+          turner: KeyTurner) -> None:
+    """Every layer's K/V of `src_slots` into `dst_slots`, keys turned by that layer's SpanTurn (rows
+    in slot order) when `turns` is given."""
     src, dst = _as_run(src_slots), _as_run(dst_slots)
     # pool.k's own layers (a windowed pool's k holds only its full layers; its k_layer() is indexed
     # by model layer and would hand back sliding layers' window storage)
     for layer, (k_layer, v_layer) in enumerate(zip(pool.k, pool.v)):
         keys = _gather(k_layer, src)                                   # [n, kv_heads, head_dim], a copy
         if turns is not None:
-            turn_layer_keys_(keys, turns[layer])
+            turner(keys, turns[layer])
         _scatter(k_layer, dst, keys)
         _scatter(v_layer, dst, _gather(v_layer, src))
 
@@ -77,16 +107,17 @@ def _scatter(layer: torch.Tensor, slots: slice | torch.Tensor, values: torch.Ten
         layer.index_copy_(0, slots, values)
 
 
-def _span_turns(pool: KVPool, keep: Keep, rotary: Rotary | LayerRotaries | None) -> list[SpanTurn] | None:
-    """Each pool layer's SpanTurn for `keep` (one per distinct RoPE, shared), or None: nothing to turn."""
-    if rotary is None or keep.delta == 0:
+def _spans_turns(pool: KVPool, keeps: Sequence[Keep], rotary: Rotary | LayerRotaries | None) -> list[SpanTurn] | None:
+    """Each pool layer's SpanTurn for `keeps` end to end (one per distinct RoPE, shared), or None:
+    nothing to turn."""
+    if rotary is None or not keeps:
         return None
+    spans = [(keep.src_pos, keep.dst_pos, keep.length) for keep in keeps]
     by_rotary: dict[int, SpanTurn] = {}
     turns = []
     for layer_rotary in pool_layer_rotaries(rotary, pool.k.shape[0]):
         if id(layer_rotary) not in by_rotary:
-            by_rotary[id(layer_rotary)] = span_turn(layer_rotary, keep.src_pos, keep.dst_pos, keep.length,
-                                                    pool.k.dtype, pool.k.device)
+            by_rotary[id(layer_rotary)] = spans_turn(layer_rotary, spans, pool.k.dtype, pool.k.device)
         turns.append(by_rotary[id(layer_rotary)])
     return turns
 
