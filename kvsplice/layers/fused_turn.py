@@ -61,9 +61,20 @@ class FusedTurn:
     def __call__(self, keys: torch.Tensor, turn: SpanTurn) -> torch.Tensor:
         if turn.cos_b is None or keys.shape[0] == 0:
             return turn_layer_keys_(keys, turn)
-        keys[..., :turn.rotary_dim].copy_(self.compiled(keys, turn.cos_a, turn.sin_a, turn.cos_b, turn.sin_b,
-                                                        turn.rotary_dim, turn.attention_scaling))
+        keys[..., :turn.rotary_dim].copy_(self._rotary_part(keys, turn))
         return keys
+
+    def turned(self, keys: torch.Tensor, turn: SpanTurn) -> torch.Tensor:
+        """`keys` turned by `turn`, as a new tensor; `keys` (e.g. a view of the pool) is only read.
+        The same bits as `self(keys.clone(), turn)`, one copy fewer."""
+        if turn.cos_b is None or keys.shape[0] == 0:
+            return turn_layer_keys_(keys.clone(), turn)
+        part = self._rotary_part(keys, turn)
+        return part if turn.rotary_dim == keys.shape[-1] else torch.cat((part, keys[..., turn.rotary_dim:]), dim=-1)
+
+    def _rotary_part(self, keys: torch.Tensor, turn: SpanTurn) -> torch.Tensor:
+        return self.compiled(keys, turn.cos_a, turn.sin_a, turn.cos_b, turn.sin_b, turn.rotary_dim,
+                             turn.attention_scaling)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.layers.rotary import LayerRotaries, Rotary
-from kvsplice.layers.fused_turn import KeyTurner
+from kvsplice.layers.fused_turn import FusedTurn, KeyTurner
 from kvsplice.layers.rotary_move import SpanTurn, pool_layer_rotaries, spans_turn, turn_layer_keys_
 from kvsplice.reuse.plan import Keep
 
@@ -78,11 +78,16 @@ def _move(pool: KVPool, src_slots: torch.Tensor, dst_slots: torch.Tensor, turns:
     # pool.k's own layers (a windowed pool's k holds only its full layers; its k_layer() is indexed
     # by model layer and would hand back sliding layers' window storage)
     for layer, (k_layer, v_layer) in enumerate(zip(pool.k, pool.v)):
-        keys = _gather(k_layer, src)                                   # [n, kv_heads, head_dim], a copy
-        if turns is not None:
-            turner(keys, turns[layer])
+        if turns is not None and isinstance(turner, FusedTurn):   # reads the source, writes a new tensor
+            keys = turner.turned(_read(k_layer, src), turns[layer])
+        else:
+            keys = _gather(k_layer, src)                               # [n, kv_heads, head_dim], a copy
+            if turns is not None:
+                turner(keys, turns[layer])
         _scatter(k_layer, dst, keys)
-        _scatter(v_layer, dst, _gather(v_layer, src))
+        # src and dst never overlap, so a slice is copied straight across (index_copy_ refuses a
+        # source that shares the destination's storage: a gathered copy there)
+        _scatter(v_layer, dst, _read(v_layer, src) if isinstance(dst, slice) else _gather(v_layer, src))
 
 
 def _as_run(slots: torch.Tensor) -> slice | torch.Tensor:
@@ -94,6 +99,11 @@ def _as_run(slots: torch.Tensor) -> slice | torch.Tensor:
     if last - first + 1 == slots.numel() and bool(torch.all(slots[1:] - slots[:-1] == 1)):
         return slice(first, last + 1)
     return slots
+
+
+def _read(layer: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor:
+    """The rows `slots` of `layer`: a view for a slice (not to be written), else a copy."""
+    return layer[slots] if isinstance(slots, slice) else layer.index_select(0, slots)
 
 
 def _gather(layer: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor:
