@@ -476,7 +476,8 @@ def _pull(args: argparse.Namespace) -> int:
         from kvsplice.engine.llm import warm_compile_cache
 
         lane = resolve_prefill_lane_threads("auto", torch.get_num_threads())
-        print(warm_compile_cache(EngineConfig(dtype="auto", prefill_lane_threads=lane)), flush=True)
+        print(warm_compile_cache(EngineConfig(dtype="auto", prefill_lane_threads=lane, fused_relocation="auto")),
+              flush=True)
     return 0
 
 

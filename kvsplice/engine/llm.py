@@ -124,8 +124,9 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
 
 
 def warm_compile_cache(config: EngineConfig) -> str:
-    """Build the engine of `config` and wait for its compiled decode step, so that the compile
-    cache holds it for the next start with the same settings (`kvsplice pull --compile`). Returns
+    """Build the engine of `config` (its fused relocation turn too, where `config.fused_relocation`
+    asks for it) and wait for its compiled decode step, so that the compile cache holds them for the
+    next start with the same settings (`kvsplice pull --compile`). Returns
     a line saying how long it took and where it is cached; raises what the build raised."""
     import time
 
