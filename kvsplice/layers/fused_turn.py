@@ -59,22 +59,16 @@ class FusedTurn:
     compiled: Callable[..., torch.Tensor]
 
     def __call__(self, keys: torch.Tensor, turn: SpanTurn) -> torch.Tensor:
-        if turn.cos_b is None or keys.shape[0] == 0:
-            return turn_layer_keys_(keys, turn)
-        keys[..., :turn.rotary_dim].copy_(self._rotary_part(keys, turn))
-        return keys
+        return keys.copy_(self.turned(keys, turn))
 
     def turned(self, keys: torch.Tensor, turn: SpanTurn) -> torch.Tensor:
-        """`keys` turned by `turn`, as a new tensor; `keys` (e.g. a view of the pool) is only read.
-        The same bits as `self(keys.clone(), turn)`, one copy fewer."""
+        """`keys` turned by `turn`, as a new tensor; `keys` (e.g. a view of the pool) is only read
+        (what relocation calls: one copy fewer than turning a copy in place)."""
         if turn.cos_b is None or keys.shape[0] == 0:
             return turn_layer_keys_(keys.clone(), turn)
-        part = self._rotary_part(keys, turn)
-        return part if turn.rotary_dim == keys.shape[-1] else torch.cat((part, keys[..., turn.rotary_dim:]), dim=-1)
-
-    def _rotary_part(self, keys: torch.Tensor, turn: SpanTurn) -> torch.Tensor:
-        return self.compiled(keys, turn.cos_a, turn.sin_a, turn.cos_b, turn.sin_b, turn.rotary_dim,
+        part = self.compiled(keys, turn.cos_a, turn.sin_a, turn.cos_b, turn.sin_b, turn.rotary_dim,
                              turn.attention_scaling)
+        return part if turn.rotary_dim == keys.shape[-1] else torch.cat((part, keys[..., turn.rotary_dim:]), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -114,12 +108,12 @@ def _inductor_compile(fn: Callable) -> Callable:
 
 
 def _same_bits(fused: FusedTurn, rotary: Rotary, dtype: torch.dtype, heads: int, head_dim: int, length: int) -> bool:
-    """Whether `fused` and the eager turn give the same bits moving `length` random keys by a
-    backward and a forward delta."""
+    """Whether `fused.turned` (relocation's call) and the eager turn give the same bits moving
+    `length` random keys by a backward and a forward delta."""
     generator = torch.Generator().manual_seed(length)
     keys = (torch.randn(length, heads, head_dim, generator=generator) * 4).to(dtype)
     for src, dst in ((1000, 17), (17, 4000)):
         turn = span_turn(rotary, src, dst, length, dtype)
-        if not torch.equal(fused(keys.clone(), turn), turn_layer_keys_(keys.clone(), turn)):
+        if not torch.equal(fused.turned(keys, turn), turn_layer_keys_(keys.clone(), turn)):
             return False
     return True

@@ -61,35 +61,29 @@ def _half_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     return cos[:, None, :], sin[:, None, :]
 
 
-def span_turn(rotary: Rotary, src_start: int, dst_start: int, length: int, dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> SpanTurn:
-    """The tables that move `length` keys of `dtype` from positions src_start.. to dst_start..."""
-    if dtype == torch.float32:   # rerotate: one delta, so one row; attention scaling not applied again
-        delta = torch.tensor([dst_start - src_start], dtype=torch.int64, device=device)
-        return SpanTurn(rotary.rotary_dim, 1.0, *_half_tables(delta, rotary.inv_freq, 1.0))
-    src = torch.arange(src_start, src_start + length, dtype=torch.int64, device=device)
-    cos_a, sin_a = _half_tables(src, rotary.inv_freq, 1.0)
-    cos_b, sin_b = _half_tables(src + (dst_start - src_start), rotary.inv_freq, rotary.attention_scaling)
-    return SpanTurn(rotary.rotary_dim, rotary.attention_scaling, cos_a, sin_a, cos_b, sin_b)
-
-
 def spans_turn(rotary: Rotary, spans: Sequence[tuple[int, int, int]], dtype: torch.dtype,
                device: torch.device | str = "cpu") -> SpanTurn:
     """The tables that move several spans, `(src_start, dst_start, length)` each, whose keys lie end
-    to end in that order: each span's rows are the numbers `span_turn` gives it (fp32: its delta's
-    row, repeated over its keys), so turning them together equals turning each span alone, bit for
-    bit."""
-    if len(spans) == 1:
-        return span_turn(rotary, *spans[0], dtype=dtype, device=device)
-    lengths = torch.tensor([length for _, _, length in spans], device=device)
-    deltas = torch.repeat_interleave(torch.tensor([dst - src for src, dst, _ in spans], device=device), lengths)
+    to end in that order: each span's rows are the numbers it would get alone, so turning them
+    together equals turning each span alone, bit for bit. fp32: one turn by the delta (attention
+    scaling not applied again), one row for a single span, else each span's row repeated over its keys."""
+    lengths = torch.tensor([length for _, _, length in spans], dtype=torch.int64, device=device)
+    deltas = torch.tensor([dst - src for src, dst, _ in spans], dtype=torch.int64, device=device)
     if dtype == torch.float32:
-        return SpanTurn(rotary.rotary_dim, 1.0, *_half_tables(deltas, rotary.inv_freq, 1.0))
+        rows = deltas if len(spans) == 1 else torch.repeat_interleave(deltas, lengths)
+        return SpanTurn(rotary.rotary_dim, 1.0, *_half_tables(rows, rotary.inv_freq, 1.0))
     src = torch.cat([torch.arange(start, start + length, dtype=torch.int64, device=device)
                      for start, _, length in spans])
     cos_a, sin_a = _half_tables(src, rotary.inv_freq, 1.0)
-    cos_b, sin_b = _half_tables(src + deltas, rotary.inv_freq, rotary.attention_scaling)
+    cos_b, sin_b = _half_tables(src + torch.repeat_interleave(deltas, lengths), rotary.inv_freq,
+                                rotary.attention_scaling)
     return SpanTurn(rotary.rotary_dim, rotary.attention_scaling, cos_a, sin_a, cos_b, sin_b)
+
+
+def span_turn(rotary: Rotary, src_start: int, dst_start: int, length: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> SpanTurn:
+    """The tables that move `length` keys of `dtype` from positions src_start.. to dst_start..."""
+    return spans_turn(rotary, [(src_start, dst_start, length)], dtype, device)
 
 
 def turn_layer_keys_(keys: torch.Tensor, turn: SpanTurn) -> torch.Tensor:
