@@ -90,8 +90,8 @@ class ModelRunner:
                 logger.warning("the fast path does not implement %s (%s): every batch runs on the reference Decoder",
                                model.cfg.model_type, FastDecoder.refusal(model.cfg))
         if compiles and self.fast is None:
-            raise ValueError("--compile-decode needs the fast path: an attention-only model without sliding "
-                             "windows, and no --no-fast-path")
+            raise ValueError("--compile-decode needs the fast path: an attention-only model (not one whose every "
+                             "layer slides), and no --no-fast-path")
 
     def min_computed_tokens(self) -> int:
         """The fewest prompt tokens a request must compute after a prefix hit for them to get the

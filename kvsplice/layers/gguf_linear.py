@@ -233,7 +233,6 @@ class GGUFPlanesLinear:
         self.planes = tuple(int4_planes(g, _VALUE_BITS[g.fmt.name], kernel_dtype) for g in stacked) if planable else ()
         self.dense, self.small_batch_rows = dense, small_batch_rows
         self.weight, self.bias = dense.weight, dense.bias
-        self.packed = None   # (what the compiled decode step reads: it takes PackedLinears only)
 
     @property
     def out_features(self) -> int:
@@ -246,6 +245,8 @@ class GGUFPlanesLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.planes or x.shape[0] > self.small_batch_rows:
+            if torch.compiler.is_compiling():   # the prepacked copy is opaque to tracing; the plain one has its bits
+                return F.linear(x, self.weight, self.bias)
             return self.dense(x)
         dtype = self.planes[0][0].scales_zeros.dtype
         xk = (x if x.dtype is dtype else x.to(dtype)).contiguous()

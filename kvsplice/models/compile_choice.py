@@ -4,8 +4,8 @@ The choice (`choose_compile_decode`) is a pure function of facts checked at star
 (/proc/cpuinfo), whether a C++ compiler is on the PATH, the projections' weight format and the
 activations' dtype, and whether the model runs on the fast path (attention-only, with the
 DecodeArena). auto compiles only where the compiled step was measured faster: bf16 activations on a
-CPU with native bf16 (avx512_bf16 or amx_bf16), int4 / int8 projections (the packed kernels that
-inductor can trace), a C++ compiler for inductor's C++ wrapper, an attention-only model on the
+CPU with native bf16 (avx512_bf16 or amx_bf16), int4 / int8 projections or a GGUF's blocks (the
+packed kernels and int4 planes that inductor can trace), a C++ compiler for inductor's C++ wrapper, an attention-only model on the
 fast path (docs/BENCHMARKS_HISTORY.md, "Against llama.cpp's llama-server on the same GGUF"). Anything else
 is never assumed: auto stays eager and says why.
 
@@ -55,7 +55,7 @@ def choose_compile_decode(mode: str, cpu_flags: frozenset[str], compiler: str | 
                           dtype: str, fast_path: str | None) -> CompileChoice:
     """The decision for `mode` ("auto" | "on" | "off"). `cpu_flags`: the CPU's flags (/proc/cpuinfo);
     `compiler`: the C++ compiler found, or None; `weight_format`: the projections' format ("dense",
-    "int8", "int4"); `dtype`: the activations' ("bfloat16", ...); `fast_path`: None where the model runs
+    "int8", "int4", "gguf"); `dtype`: the activations' ("bfloat16", ...); `fast_path`: None where the model runs
     on the fast path with the DecodeArena, else why not. "on" and "off" are taken as they are (on
     where it cannot work raises later, naming what is missing); auto compiles only where every fact
     says it is faster. ValueError for an unknown mode."""
@@ -68,8 +68,8 @@ def choose_compile_decode(mode: str, cpu_flags: frozenset[str], compiler: str | 
         missing.append("the CPU has no native bf16 (avx512_bf16 / amx_bf16)")
     if dtype != "bfloat16":
         missing.append(f"activations are {dtype}, not bfloat16")
-    if weight_format not in ("int4", "int8"):
-        missing.append(f"the projections are {weight_format}, not int4 / int8")
+    if weight_format not in ("int4", "int8", "gguf"):
+        missing.append(f"the projections are {weight_format}, not int4 / int8 / GGUF blocks")
     if fast_path is not None:
         missing.append(fast_path)
     if compiler is None:

@@ -14,6 +14,12 @@ prefill or non-arena rows, more rows than the packed kernels take (`max_rows`), 
 token, or a longest context that exactly fills the arena's capacity (about one step in 256) run
 eagerly as before.
 
+A model with sliding and full layers (Gemma 3) is compiled as well: its sliding layers write the
+windowed pool's window slots and read the arena's rings, whose width W is fixed, so their mask is
+always W wide and no graph specialises on a context shorter or longer than the window. Its GGUF
+projections run on their int4 planes in the graph (a part without planes, Q6_K, multiplies its
+plain bf16 copy: the prepacked one is opaque to tracing).
+
 Beside a prefill-lane job the runner keeps the eager step (`allow_compiled=False`): measured, it
 was the faster one there (same section).
 
@@ -98,8 +104,10 @@ def _skip_decoder_guards(entries) -> list[bool]:
 @dataclass(frozen=True)
 class GraphSpec:
     """What a builder compiles: the decode step for 1 and 2..`max_rows` rows of a model of
-    `num_layers` layers, `num_kv_heads` K/V heads of `head_dim` in `dtype`, at each of
-    `thread_counts`; and, with `head_blocks`, the one-row head (BlockInt8Head) at `head_counts`."""
+    `num_layers` layers over the pool and arena (and `ring_layers` more over a windowed pool's
+    window slots and arena rings of `ring_width` columns), `num_kv_heads` K/V heads of `head_dim`
+    in `dtype`, at each of `thread_counts`; and, with `head_blocks`, the one-row head
+    (BlockInt8Head) at `head_counts`."""
 
     max_rows: int
     num_layers: int
@@ -109,6 +117,8 @@ class GraphSpec:
     thread_counts: tuple[int, ...]
     head_blocks: Optional[Int8Blocks] = None
     head_counts: tuple[int, ...] = ()
+    ring_layers: int = 0
+    ring_width: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -175,29 +185,47 @@ def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> tuple[tuple[torch.Tensor, .
     in inference mode, as the engine's steps make them (the guards check which kind each is)."""
     slots, arena_rows, capacity = 61, spec.max_rows + 3, 37
     # laid out as KVPool and DecodeArena lay theirs out: K and V each one tensor of all layers
-    pool_k, pool_v = (torch.zeros(spec.num_layers, slots, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype)
-                      for _ in range(2))
-    arena_k, arena_v = (torch.zeros(spec.num_layers, arena_rows, spec.num_kv_heads, capacity, spec.head_dim,
-                                    dtype=spec.dtype) for _ in range(2))
-    for tensor in (pool_k, pool_v):
-        torch._dynamo.mark_dynamic(tensor, 1)
-    for tensor in (arena_k, arena_v):
-        torch._dynamo.mark_dynamic(tensor, 1)
-        torch._dynamo.mark_dynamic(tensor, 3)
+    pool_k, pool_v = _scratch(spec, (spec.num_layers, slots), dynamic=(1,))
+    arena_k, arena_v = _scratch(spec, (spec.num_layers, arena_rows, spec.num_kv_heads, capacity), dynamic=(1, 3))
+    rings = ()
+    if spec.ring_layers:   # a windowed pool's window slots, the arena's rings (their width W static)
+        rings = (*_scratch(spec, (spec.ring_layers, 53), dynamic=(1,)),
+                 *_scratch(spec, (spec.ring_layers, arena_rows, spec.num_kv_heads, spec.ring_width), dynamic=(1,)))
     inputs = []
     for count in ((1,) if spec.max_rows == 1 else (1, 2)):
+        step = _scratch_step(count, spec.ring_width if rings else None)
         with torch.inference_mode():
-            lengths = torch.tensor([7 + row for row in range(count)])
-            step = (torch.zeros(count, dtype=torch.int64), lengths - 1, torch.arange(count) + 5,
-                    length_mask(lengths, 6 + count))   # the longest context, as the engine's masks
-        torch._dynamo.mark_dynamic(step[3], 3)
-        if count > 1:
-            for tensor in step:
-                torch._dynamo.mark_dynamic(tensor, 0)
-        with torch.inference_mode():
-            compiled(*step, pool_k, pool_v, arena_k, arena_v)
-        inputs.append((*step, pool_k, pool_v, arena_k, arena_v))
+            compiled(*step[:4], pool_k, pool_v, arena_k, arena_v, *step[4:], *rings)
+        inputs.append((*step[:4], pool_k, pool_v, arena_k, arena_v, *step[4:], *rings))
     return tuple(inputs)
+
+
+def _scratch(spec: GraphSpec, leading: tuple[int, ...], dynamic: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero K and V scratch tensors of `leading` sizes then [Hkv, D] (arena ones: `leading` ends with
+    their capacity, then D), their `dynamic` dimensions marked as such."""
+    tail = (spec.head_dim,) if len(leading) == 4 else (spec.num_kv_heads, spec.head_dim)
+    pair = tuple(torch.zeros(*leading, *tail, dtype=spec.dtype) for _ in range(2))
+    for tensor in pair:
+        for dim in dynamic:
+            torch._dynamo.mark_dynamic(tensor, dim)
+    return pair
+
+
+def _scratch_step(count: int, ring_width: Optional[int]) -> tuple[torch.Tensor, ...]:
+    """A step's own tensors for `count` rows: ids, positions, out slots, the length mask (the
+    longest context as wide as the engine's masks), and with a `ring_width` the window slots and
+    the ring mask (as wide as the rings: static)."""
+    with torch.inference_mode():
+        lengths = torch.tensor([7 + row for row in range(count)])
+        step = (torch.zeros(count, dtype=torch.int64), lengths - 1, torch.arange(count) + 5,
+                length_mask(lengths, 6 + count))
+        if ring_width is not None:
+            step += (torch.arange(count) + 9, length_mask(lengths.clamp(max=ring_width), ring_width))
+    torch._dynamo.mark_dynamic(step[3], 3)
+    if count > 1:
+        for tensor in step:
+            torch._dynamo.mark_dynamic(tensor, 0)
+    return step
 
 
 # The interpreter's thread switch interval while the graphs build (below Python's default).

@@ -29,7 +29,12 @@ context positions (first - W, last] of its block, so its cost grows with the win
 the context.
 
 With `compile_decode`, a batch of arena decode rows only runs instead as one compiled graph of
-`arena_decode_hidden` (kvsplice.models.compiled_decode); this eager path stays its reference. And
+`arena_decode_hidden` (kvsplice.models.compiled_decode); this eager path stays its reference. A
+model with both sliding and full layers (Gemma 3) takes it over a windowed pool's window slots and
+the arena's rings:
+
+    layer i full:     pool k/v[full index]    at out_slots           arena k/v[full index]   (row, position)
+    layer i sliding:  window k/v[ring index]  at the window slots    ring k/v[ring index]    (row, position % W) And
 where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head), one row's logits come
 from those blocks by a compiled loop (kvsplice.layers.block_int8_head); more rows use the dense head.
 
@@ -37,7 +42,7 @@ Eligible models (`FastDecoder.supports`): every layer attention (full or sliding
 an output gate, full-width RoPE (one, or one per layer: Gemma 3); optional q/k norm (qwen3,
 Gemma 3), biases, zero-centred norms, sandwich norms, scaled embeddings, a GELU-tanh MLP, logit
 softcapping. Others (the hybrids: `FastDecoder.refusal` says why) use the Decoder for every batch.
-The compiled decode step takes the plain models only (`FastDecoder.compile_refusal`).
+The compiled decode step takes them all but a model whose every layer slides (`FastDecoder.compile_refusal`).
 """
 
 from __future__ import annotations
@@ -179,6 +184,12 @@ class FastDecoder:
         self.layers = [self._fast_layer(i, layer, weight_format, rope_index[i], cfg.layer_window(i))
                        for i, layer in enumerate(model.model.layers)]
         self.windows = sorted({layer.window for layer in self.layers if layer.window is not None})
+        # where each layer's K/V lie in the tensors `arena_decode_hidden` takes: with sliding and full
+        # layers (a windowed pool, arena rings), its index among the layers of its kind, else its own
+        sliding = [layer.window is not None for layer in self.layers]
+        self.uses_rings = any(sliding) and not all(sliding)
+        self.kv_index = (tuple(sliding[:i].count(kind) for i, kind in enumerate(sliding)) if self.uses_rings
+                         else tuple(range(len(self.layers))))
         self.final_norm = self._norm_weight(model.model.norm.weight)
         head_format = lm_head_format or weight_format
         # a dense (possibly tied) lm_head is used as it is; a packed one has its own dense copy
@@ -195,8 +206,9 @@ class FastDecoder:
         self.act = ACTIVATIONS[cfg.hidden_act]
         threads = threads or ThreadPolicy.from_config(None)
         # one row's logits from the checkpoint's own int8 blocks (a GGUF Q8_0 head), compiled with
-        # the decode step: with compile_decode only (kvsplice.layers.block_int8_head)
-        head_blocks = model.head_blocks if head_format == "dense" else None
+        # the decode step: with compile_decode only (kvsplice.layers.block_int8_head); in place of
+        # a dense head, or of the GGUF planes' two int4 planes of it (fewer bytes read, exact)
+        head_blocks = model.head_blocks if head_format in ("dense", "gguf") else None
         self.compiled = self._compile(threads, head_blocks, decode_builder) if compile_decode else None
 
     @property
@@ -221,13 +233,12 @@ class FastDecoder:
     @staticmethod
     def compile_refusal(cfg: ModelConfig) -> str | None:
         """What in `cfg` the compiled decode step (`arena_decode_hidden`) does not implement, on top
-        of `refusal` (None: it compiles the model)."""
-        reasons = {"sliding windows": any(cfg.layer_window(i) is not None for i in range(cfg.num_layers)),
-                   "a RoPE per layer": bool(cfg.layer_ropes), "sandwich norms": cfg.sandwich_norms,
-                   "scaled embeddings": cfg.scaled_embeddings,
-                   "logit softcapping": cfg.final_logit_softcapping is not None}
-        found = [reason for reason, present in reasons.items() if present]
-        return FastDecoder.refusal(cfg) or (", ".join(found) if found else None)
+        of `refusal` (None: it compiles the model). Sliding layers it takes beside full ones only:
+        their K/V then live in a windowed pool and the arena's rings, which it reads; a model whose
+        every layer slides keeps the plain pool, read through window columns."""
+        windows = [cfg.layer_window(i) is not None for i in range(cfg.num_layers)]
+        every_layer_slides = all(windows)
+        return FastDecoder.refusal(cfg) or ("sliding windows on every layer" if every_layer_slides else None)
 
     def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The doubled weight `rms_norm_via_layer_norm` takes for an RMSNorm of `weight`: a zero-centred
@@ -269,19 +280,21 @@ class FastDecoder:
     def _compile(self, threads: ThreadPolicy, head_blocks, builder: DecodeBuilder | None) -> CompiledDecode:
         """The compiled decode step at the thread counts `threads` runs decode steps at, and the row
         head of `head_blocks` at its counts, built by `builder` in the background (see
-        kvsplice.models.compiled_decode). It needs packed projections: the dense ones call oneDNN's
-        prepacked weights, which inductor cannot trace."""
+        kvsplice.models.compiled_decode). It needs few-row kernels the graph can trace: packed
+        int4 / int8 projections, or GGUF blocks' int4 planes (a GGUF part without planes, Q6_K,
+        multiplies its dense copy in the graph)."""
         refused = self.compile_refusal(self.cfg)
         if refused is not None:
             raise ValueError(f"--compile-decode does not run {self.cfg.model_type} ({refused}); leave it off")
         linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        if any(linear.packed is None for linear in linears):
+        if not all(isinstance(linear, GGUFPlanesLinear) or linear.packed is not None for linear in linears):
             raise ValueError("--compile-decode needs int4 or int8 projections (--weight-format int4|int8|auto "
-                             "on a checkpoint whose weights it packs)")
+                             "on a checkpoint whose weights it packs) or a GGUF's blocks (--weight-format gguf)")
         cfg = self.cfg
-        spec = GraphSpec(min(linear.small_batch_rows for linear in linears), cfg.num_layers, cfg.num_kv_heads,
-                         cfg.head_dim, self.embed.dtype, threads.compiled_step_counts(), head_blocks,
-                         threads.head_counts())
+        ring_count = sum(layer.window is not None for layer in self.layers) if self.uses_rings else 0
+        spec = GraphSpec(min(linear.small_batch_rows for linear in linears), cfg.num_layers - ring_count,
+                         cfg.num_kv_heads, cfg.head_dim, self.embed.dtype, threads.compiled_step_counts(),
+                         head_blocks, threads.head_counts(), ring_count, self.windows[0] if ring_count else None)
         return CompiledDecode(self.arena_decode_hidden, spec, builder)
 
     @property
@@ -307,10 +320,7 @@ class FastDecoder:
         if pool.k.dtype != self.embed.dtype:
             raise ValueError(f"the pool holds {pool.k.dtype}, the model computes in {self.embed.dtype}")
         if allow_compiled and self._compiled_covers(batch, arena):
-            lengths = arena.lengths[:batch.arena_rows]
-            mask = length_mask(torch.tensor(lengths), max(lengths))
-            hidden = self.compiled(batch.input_ids, batch.positions, batch.out_slots, mask,
-                                   pool.k, pool.v, arena.k, arena.v)
+            hidden = self.compiled(*self._compiled_inputs(batch, pool, arena))
             return hidden[batch.logit_rows]
         hidden = self._embed(batch.input_ids)
         tables = [_rope_tables(*rotary.cos_sin(batch.positions)) for rotary in self.rotaries]
@@ -336,7 +346,11 @@ class FastDecoder:
 
     def arena_decode_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                             mask: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                            arena_k: torch.Tensor, arena_v: torch.Tensor) -> torch.Tensor:
+                            arena_k: torch.Tensor, arena_v: torch.Tensor,
+                            window_slots: Optional[torch.Tensor] = None, ring_mask: Optional[torch.Tensor] = None,
+                            window_k: Optional[torch.Tensor] = None, window_v: Optional[torch.Tensor] = None,
+                            ring_k: Optional[torch.Tensor] = None, ring_v: Optional[torch.Tensor] = None
+                            ) -> torch.Tensor:
         """`final_hidden` of a batch that is arena decode rows only, from plain tensors: the
         function `kvsplice.models.compiled_decode` compiles (no Python objects that change
         between steps, so one graph serves every step).
@@ -347,40 +361,62 @@ class FastDecoder:
         `out_slots` and into the arena (`DecodeArena.k / v`, `[layers, rows, Hkv, capacity, D]`) at
         (row, position), as `final_hidden` does. Each write indexes the whole input tensor, layer
         included, so that the compiled graph updates it in place (a write into a view made inside
-        the graph makes inductor copy the whole buffer back), and four tensors, not one per layer,
-        are what the graph's guards check before every step."""
-        count, width = input_ids.shape[0], mask.shape[-1]
-        rows = torch.arange(count)
-        hidden = F.embedding(input_ids, self.embed)
-        cos, sin_signed = _rope_tables(*self.rotary.cos_sin(positions))
+        the graph makes inductor copy the whole buffer back), and a few tensors, not one per layer,
+        are what the graph's guards check before every step.
+
+        With sliding and full layers (`uses_rings`: a WindowedKVPool and arena rings), `pool_k / v`
+        and `arena_k / v` hold the full layers only, and the sliding ones write `window_k / v`
+        (`WindowedKVPool.window_k / v`) at `window_slots` (the rows' window slots) and the rings
+        (`DecodeArena.ring_k / v`, W columns) at (row, position % W), and attend over all W
+        columns, masked by `ring_mask` (`length_mask(min(lengths, W), W)`: a width that never
+        changes, so that no graph specialises on a context shorter or longer than the window).
+        ValueError when the model needs them and they are missing."""
+        if self.uses_rings and ring_k is None:
+            raise ValueError("a model with sliding and full layers decodes over a windowed pool and arena rings")
+        rows = torch.arange(input_ids.shape[0])
+        hidden = self._embed(input_ids)
+        tables = [_rope_tables(*rotary.cos_sin(positions)) for rotary in self.rotaries]
         for layer_id, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, hidden, cos, sin_signed)
-            layer_index = torch.full_like(out_slots, layer_id)
-            pool_k.index_put_((layer_index, out_slots), k)
-            pool_v.index_put_((layer_index, out_slots), v)
-            arena_k[layer_index, rows, :, positions] = k
-            arena_v[layer_index, rows, :, positions] = v
-            attended = contiguous_decode_attention(q, arena_k[layer_id, :count, :, :width],
-                                                   arena_v[layer_id, :count, :, :width], mask, self.scale)
+            q, k, v = self._qkv(layer, hidden, *tables[layer.rope])
+            index = self.kv_index[layer_id]
+            if layer.window is not None and self.uses_rings:
+                attended = _write_and_attend(q, k, v, index, window_slots, window_k, window_v, ring_k, ring_v,
+                                             rows, positions % ring_k.shape[3], ring_mask, self.scale)
+            else:
+                attended = _write_and_attend(q, k, v, index, out_slots, pool_k, pool_v, arena_k, arena_v,
+                                             rows, positions, mask, self.scale)
             hidden = self._out_and_mlp(layer, hidden, attended)
         return rms_norm_via_layer_norm(hidden, self.final_norm, self.eps)
 
     def _compiled_covers(self, batch: ForwardBatch, arena: Optional[DecodeArena]) -> bool:
-        """True when `batch` is arena decode rows only and a compiled graph takes them."""
+        """True when `batch` is arena decode rows only and a compiled graph takes them (a model with
+        sliding layers: over the arena's rings)."""
         count = batch.arena_rows
         if self.compiled is None or arena is None or count == 0 or batch.seqs or count != batch.input_ids.shape[0]:
             return False
+        if self.uses_rings != bool(arena.ring_layers):
+            return False
         return self.compiled.covers(count, max(arena.lengths[:count]), arena.rows, arena.capacity)
+
+    def _compiled_inputs(self, batch: ForwardBatch, pool: KVPool, arena: DecodeArena) -> tuple:
+        """`arena_decode_hidden`'s arguments for `batch` (every mask a tensor, even where all is
+        visible, so that one graph takes every step)."""
+        lengths = torch.tensor(arena.lengths[:batch.arena_rows])
+        inputs = (batch.input_ids, batch.positions, batch.out_slots, length_mask(lengths, int(lengths.max())),
+                  pool.k, pool.v, arena.k, arena.v)
+        if not self.uses_rings:
+            return inputs
+        held = lengths.clamp(max=arena.ring_width)   # a ring holds min(length, W) columns of its row
+        return (*inputs, batch.for_layer(True).out_slots, length_mask(held, arena.ring_width),
+                pool.window_k, pool.window_v, arena.ring_k, arena.ring_v)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of `final_hidden`'s rows (the lm_head): one row on `row_head` where there is
         one (the checkpoint's exact weights), more rows on the dense head (those weights in the model
         dtype); softcapped where the model says (tanh(logits / cap) cap)."""
-        if self.row_head is not None and self.row_head.covers(hidden):
-            logits = self.row_head(hidden)
-            if logits is not None:
-                return logits
-        logits = self.lm_head(hidden).float()
+        logits = self.row_head(hidden) if self.row_head is not None and self.row_head.covers(hidden) else None
+        if logits is None:
+            logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -469,6 +505,22 @@ class FastDecoder:
         out = attend_planned(q, plans, k_layer, v_layer, self.scale)
         out[:count] = decoded
         return out
+
+
+def _write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int, slots: torch.Tensor,
+                      pool_k: torch.Tensor, pool_v: torch.Tensor, arena_k: torch.Tensor, arena_v: torch.Tensor,
+                      rows: torch.Tensor, columns: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer's K/V of the decode rows written at layer `index` of the pool tensors (at `slots`)
+    and of the arena tensors (at (row, column)), then the rows' attention over their first
+    `mask.shape[-1]` arena columns. Indexes the whole tensors (see `arena_decode_hidden`)."""
+    layer_index = torch.full_like(slots, index)
+    pool_k.index_put_((layer_index, slots), k)
+    pool_v.index_put_((layer_index, slots), v)
+    arena_k[layer_index, rows, :, columns] = k
+    arena_v[layer_index, rows, :, columns] = v
+    width, count = mask.shape[-1], q.shape[0]
+    return contiguous_decode_attention(q, arena_k[index, :count, :, :width], arena_v[index, :count, :, :width],
+                                       mask, scale)
 
 
 def window_columns(lengths: list[int], window: int) -> tuple[int, Optional[torch.Tensor]]:

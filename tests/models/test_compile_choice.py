@@ -24,7 +24,7 @@ def test_auto_compiles_where_every_fact_says_it_is_faster():
     (dict(cpu_flags=frozenset({"avx2", "avx512f"})), "native bf16"),
     (dict(cpu_flags=frozenset()), "native bf16"),                      # /proc/cpuinfo unreadable
     (dict(compiler=None), "C++ compiler"),
-    (dict(weight_format="dense"), "dense, not int4 / int8"),
+    (dict(weight_format="dense"), "dense, not int4 / int8 / GGUF blocks"),
     (dict(dtype="float32"), "float32, not bfloat16"),
     (dict(fast_path="qwen3_next is not an attention-only model the fast path runs"), "attention-only"),
 ])

@@ -166,7 +166,7 @@ def test_packed_formats_match_the_rounded_reference(fmt):
 def test_supports_attention_models_only():
     sliding = ModelConfig.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 8})
     gated = dataclasses.replace(sliding, attn_output_gate=True)
-    assert FastDecoder.supports(sliding) and FastDecoder.compile_refusal(sliding) == "sliding windows"
+    assert FastDecoder.supports(sliding) and FastDecoder.compile_refusal(sliding) == "sliding windows on every layer"
     assert not FastDecoder.supports(gated)
     with pytest.raises(ValueError, match="fast path"):
         FastDecoder(Decoder.from_config(gated))

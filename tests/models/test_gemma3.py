@@ -8,6 +8,7 @@ greedy text.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.llm import LLM, build_engine
 from kvsplice.engine.request import Namespace, Req
 from kvsplice.layers.forward_batch import ForwardBatch, SeqSlice
+from kvsplice.models.compiled_decode import BuiltDecode, GraphSpec
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
 from kvsplice.models.fast_decode import FastDecoder, window_columns
@@ -175,9 +177,10 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(5, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _llm(path, **kwargs) -> LLM:
+def _llm(path, decode_builder=None, **kwargs) -> LLM:
     # chunks of 16 tokens: a chunk's queries see the window across the chunk boundary
-    return LLM(engine=build_engine(EngineConfig(model=str(path), reuse=SCR, max_batch_tokens=16, **kwargs)))
+    config = EngineConfig(model=str(path), reuse=SCR, max_batch_tokens=16, **kwargs)
+    return LLM(engine=build_engine(config, decode_builder=decode_builder, wait_for_compile=True))
 
 
 def _close(a, b, atol=1e-4) -> bool:
@@ -290,10 +293,65 @@ def _decoding_req(length: int, slots: torch.Tensor) -> Req:
     return req
 
 
-def test_fast_path_runs_gemma3_and_says_what_it_does_not_compile(tiny):
+def test_fast_path_and_the_compiled_step_run_gemma3_but_not_every_layer_sliding(tiny):
     _, _, cfg = tiny
     assert FastDecoder.supports(cfg) and FastDecoder.refusal(cfg) is None
-    assert "sliding windows" in FastDecoder.compile_refusal(cfg)
+    assert FastDecoder.compile_refusal(cfg) is None
+    every_layer_slides = dataclasses.replace(cfg, layer_types=("sliding_attention",) * cfg.num_layers)
+    assert FastDecoder.compile_refusal(every_layer_slides) == "sliding windows on every layer"
+
+
+class EagerStepBuilder:
+    """Hands back `arena_decode_hidden` itself as the "compiled" step: every arena decode step then
+    runs the function the graph is traced from, eagerly (no compile)."""
+
+    def build(self, decode_fn, spec: GraphSpec) -> BuiltDecode:
+        self.spec = spec
+        return BuiltDecode(decode_fn)
+
+
+def _ring_prompts() -> list[list[int]]:
+    return [_ids(n, seed) for seed, n in enumerate((5, 30, 17))]   # inside and past the window (8)
+
+
+def test_the_compiled_steps_function_over_rings_equals_the_eager_fast_path(tiny_dir):
+    """fp32: arena decode steps through `arena_decode_hidden` (window slots, rings of W columns,
+    a RoPE per layer kind, sandwich norms) give the eager fast path's tokens and logprobs, staggered
+    rows of lengths inside and past the window included."""
+    path, _ = tiny_dir
+    builder = EagerStepBuilder()
+    outputs = {}
+    for compiled in (True, False):
+        llm = _llm(path, weight_format="int4", compile_decode=compiled,
+                   **({"decode_builder": builder} if compiled else {}))
+        outputs[compiled] = llm.generate(_ring_prompts(), GREEDY)
+        llm.engine.check_integrity()
+        if compiled:
+            step = llm.engine.runner.fast.compiled
+            assert step.compiled_steps >= GREEDY.max_tokens - 1 and step.fallbacks == 0
+    assert (builder.spec.ring_layers, builder.spec.ring_width, builder.spec.num_layers) == (4, WINDOW, 2)
+    for got, expected in zip(outputs[True], outputs[False]):
+        assert _close(got, expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_decode_over_rings_matches_the_eager_fast_path(tiny_dir):
+    """bf16, inductor: greedy generations with the compiled step agree with the eager fast path
+    until bf16 rounding first tips a near tie, with every decode step compiled."""
+    path, _ = tiny_dir
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
+    outputs, steps = {}, None
+    for compiled in (True, False):
+        llm = _llm(path, dtype="bfloat16", weight_format="int4", compile_decode=compiled)
+        outputs[compiled] = llm.generate(_ring_prompts(), params)
+        llm.engine.check_integrity()
+        steps = llm.engine.runner.fast.compiled if compiled else steps
+    assert steps.compiled_steps >= params.max_tokens - 2 and steps.fallbacks == 0
+    for got, expected in zip(outputs[True], outputs[False]):
+        agreed = next((i for i, (x, y) in enumerate(zip(got.token_ids, expected.token_ids)) if x != y),
+                      len(got.token_ids))
+        assert agreed >= 6
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(got.logprobs[:agreed], expected.logprobs[:agreed])) <= 0.05
 
 
 def test_fast_prefill_in_chunks_over_permuted_slots_matches_the_reference(tiny_dir):
