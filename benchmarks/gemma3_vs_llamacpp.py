@@ -18,7 +18,8 @@ template), greedy, `ignore_eos`, streamed:
                  session; llama-server reusing its slot's cache with --cache-reuse 16), and what each
                  server says it reused (kvsplice: usage.reuse; llama-server: the final chunk's timings)
 
-It prints the CPU, the load average before and after, one table of both servers with ratios (kvsplice
+Each server is measured once it has settled (vs_llamacpp's `settle`: kvsplice's compiled decode step
+built and, under auto, measured against the eager one). It prints the CPU, the load average before and after, one table of both servers with ratios (kvsplice
 advantage: > 1 is kvsplice better), and writes the figures as JSON (--out). Exits 0 with a message when
 llama-server is not found (see benchmarks/vs_llamacpp.py) and 2 without the Gemma packages.
 """
@@ -37,7 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemma3 import TEMPLATE, gguf_path  # noqa: E402
-from vs_llamacpp import Server, Stream, complete, find_llama_server, free_port, in_threads, open_clients  # noqa: E402
+from vs_llamacpp import (Server, Stream, complete, find_llama_server, free_port, in_threads,  # noqa: E402
+                         open_clients, settle)
 
 from kvsplice.bench.edit_cases import fill_reply, long_cases  # noqa: E402
 from kvsplice.bench.machine import cpu_line  # noqa: E402
@@ -125,6 +127,9 @@ def edited_ttft(base: str, prompts: Prompts, session: bool) -> dict:
 
 
 def measure(server: Server, prompts: Prompts, args, session: bool) -> dict:
+    settled = settle(server, prompts)   # kvsplice's compiled decode built and switched in (or not) first
+    print(f"  {server.name}: start-up settled in {settled['settle_s']:.1f} s (compiled decode: "
+          f"{settled['compiled_decode']})", flush=True)
     figures = {}
     for phase in (lambda: cold_prefill(server.url, prompts, args.prefill_lengths),
                   lambda: decode(server.url, prompts, args.decode_tokens, args.streams),

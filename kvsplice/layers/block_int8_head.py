@@ -18,7 +18,8 @@ requantizes: from bf16 copies, rounding d q to 8 bits moves some of the default 
 step. A head that is not exactly int8 blocks (`int8_blocks` returns None) has no row head.
 
     values  [K/32, 32, V] int8     block b, input i of the block, output v: contiguous in v, so
-    scales  [K/32, V]     fp32     the loop over the vocabulary is one vector FMA per input
+    scales  [K/32, V]     fp16     the loop over the vocabulary is one vector FMA per input
+                          (fp32 where a scale is no fp16 number; GGUF's Q8_0 stores d in fp16)
 
     y[v] = sum_b scales[b, v] * sum_i x[32 b + i] * values[b, i, v]
 """
@@ -42,8 +43,8 @@ _PROBE_ROWS = 64    # rows checked first, so that a weight that is not int8 bloc
 
 @dataclass(frozen=True)
 class Int8Blocks:
-    """A `[V, K]` weight as int8 `values [K/32, 32, V]` and fp32 `scales [K/32, V]` (layout in the
-    module docstring): w[v, 32 b + i] = scales[b, v] * values[b, i, v] exactly."""
+    """A `[V, K]` weight as int8 `values [K/32, 32, V]` and fp16 (or fp32) `scales [K/32, V]`
+    (layout in the module docstring): w[v, 32 b + i] = scales[b, v] * values[b, i, v] exactly."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -84,6 +85,11 @@ def int8_blocks(weight: torch.Tensor) -> Optional[Int8Blocks]:
     if exact is None:
         return None
     values, scales = exact
+    # the same numbers in half the bytes where they are all fp16 numbers (a Q8_0 file's are): the
+    # loop is memory-bound, and multiplying by an fp16 scale widens it to fp32 exactly
+    halves = scales.half()
+    if torch.equal(halves.float(), scales):
+        scales = halves
     return Int8Blocks(values.permute(1, 2, 0).contiguous(), scales.t().contiguous())
 
 

@@ -23,8 +23,15 @@ def test_the_fp32_dequantization_of_q8_0_gives_back_its_values_and_scales_exactl
     blocks = int8_blocks(weight)
     assert blocks is not None and blocks.in_features == 4 * BLOCK
     assert torch.equal(blocks.values, values.permute(1, 2, 0))
-    assert torch.equal(blocks.scales, scales.float().t())
+    assert blocks.scales.dtype == torch.float16 and torch.equal(blocks.scales, scales.t())   # held in fp16
     assert torch.equal(blocks.dequantize(), weight)
+
+
+def test_scales_that_are_no_fp16_numbers_stay_fp32():
+    values, scales, _ = q8_0_weight(40, 2 * BLOCK)
+    wide = torch.full_like(scales.float(), 2.0 ** -7 * (1 + 2.0 ** -12))   # 13 significant bits: no fp16 number
+    blocks = int8_blocks((values.float() * wide.unsqueeze(-1)).reshape(40, 2 * BLOCK))
+    assert blocks.scales.dtype == torch.float32 and torch.equal(blocks.scales, wide.t())
 
 
 def test_weights_that_are_not_int8_blocks_have_none():
