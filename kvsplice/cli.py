@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
     pull = sub.add_parser("pull", help="fetch and convert the default model")
+    pull.add_argument("--model", default=None, metavar="PATH",
+                      help="a model of your own (HF directory, .gguf, llama2.c .bin) to convert (a GGUF) and load "
+                           "once instead of the default model")
     pull.add_argument("--compile", action="store_true",
                       help="also build its compiled decode step into the compile cache, as `serve` would use it")
     for name in PASS_THROUGH:
@@ -467,17 +470,26 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
+    """The default model (or `--model`, a GGUF converted into the cache), then with `--compile` the
+    engine `kvsplice serve --model` builds with its default flags, waited for, so that the compile
+    cache holds its graphs. ValueError (exit 2) for a model that does not exist or cannot be read."""
     from kvsplice.models.default_model import pull_default_model
+    from kvsplice.models.loader import load_checkpoint
 
-    print(pull_default_model(progress=True))
-    if args.compile:   # the engine `kvsplice serve` builds with its default flags
+    if args.model is None:
+        print(pull_default_model(progress=True))
+    else:
+        _check_model_arg(args.model)
+        checkpoint = load_checkpoint(args.model)   # converts a GGUF into the cache
+        print(f"{args.model}: {checkpoint.name} ({checkpoint.hf_config.get('model_type')}) ready")
+    if args.compile:
         import torch
 
         from kvsplice.engine.llm import warm_compile_cache
 
         lane = resolve_prefill_lane_threads("auto", torch.get_num_threads())
-        print(warm_compile_cache(EngineConfig(dtype="auto", prefill_lane_threads=lane, fused_relocation="auto")),
-              flush=True)
+        print(warm_compile_cache(EngineConfig(model=args.model, dtype="auto", prefill_lane_threads=lane,
+                                              fused_relocation="auto")), flush=True)
     return 0
 
 

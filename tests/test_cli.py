@@ -167,6 +167,15 @@ def test_compile_decode_flag():
     assert build_parser().parse_args(["pull", "--compile"]).compile is True
 
 
+def test_pull_takes_a_model_of_ones_own(tiny_dir, capsys):
+    """`kvsplice pull --model PATH` loads that model once (a GGUF: converted into the cache), not the
+    default model; a path that does not exist exits 2 naming it."""
+    assert main(["pull", "--model", str(tiny_dir)]) == 0
+    assert capsys.readouterr().out.strip() == f"{tiny_dir}: {tiny_dir.name} (llama) ready"
+    assert main(["pull", "--model", "/no/such/model.gguf", "--compile"]) == 2
+    assert "--model: /no/such/model.gguf does not exist" in capsys.readouterr().err
+
+
 def test_fused_relocation_flag():
     """auto by default (the server's); a bare flag is on; a bad value exits 2."""
     assert engine_config_from_args(_serve_args(), {}).fused_relocation == "auto"

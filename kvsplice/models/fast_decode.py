@@ -394,8 +394,8 @@ class FastDecoder:
         count = batch.arena_rows
         if self.compiled is None or arena is None or count == 0 or batch.seqs or count != batch.input_ids.shape[0]:
             return False
-        if self.uses_rings != bool(arena.ring_layers):
-            return False
+        if self.uses_rings != bool(arena.ring_layers) or (self.uses_rings and batch.window is None):
+            return False   # rings need the batch in window slots too
         return self.compiled.covers(count, max(arena.lengths[:count]), arena.rows, arena.capacity)
 
     def _compiled_inputs(self, batch: ForwardBatch, pool: KVPool, arena: DecodeArena) -> tuple:
@@ -407,7 +407,7 @@ class FastDecoder:
         if not self.uses_rings:
             return inputs
         held = lengths.clamp(max=arena.ring_width)   # a ring holds min(length, W) columns of its row
-        return (*inputs, batch.for_layer(True).out_slots, length_mask(held, arena.ring_width),
+        return (*inputs, batch.window.out_slots, length_mask(held, arena.ring_width),
                 pool.window_k, pool.window_v, arena.ring_k, arena.ring_v)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
