@@ -34,8 +34,9 @@ model with both sliding and full layers (Gemma 3) takes it over a windowed pool'
 the arena's rings:
 
     layer i full:     pool k/v[full index]    at out_slots           arena k/v[full index]   (row, position)
-    layer i sliding:  window k/v[ring index]  at the window slots    ring k/v[ring index]    (row, position % W) And
-where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head), one row's logits come
+    layer i sliding:  window k/v[ring index]  at the window slots    ring k/v[ring index]    (row, position % W)
+
+Where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head), one row's logits come
 from those blocks by a compiled loop (kvsplice.layers.block_int8_head); more rows use the dense head.
 
 Eligible models (`FastDecoder.supports`): every layer attention (full or sliding window) without
@@ -236,8 +237,7 @@ class FastDecoder:
         of `refusal` (None: it compiles the model). Sliding layers it takes beside full ones only:
         their K/V then live in a windowed pool and the arena's rings, which it reads; a model whose
         every layer slides keeps the plain pool, read through window columns."""
-        windows = [cfg.layer_window(i) is not None for i in range(cfg.num_layers)]
-        every_layer_slides = all(windows)
+        every_layer_slides = all(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
         return FastDecoder.refusal(cfg) or ("sliding windows on every layer" if every_layer_slides else None)
 
     def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
