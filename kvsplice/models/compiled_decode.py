@@ -185,12 +185,13 @@ def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> tuple[tuple[torch.Tensor, .
     in inference mode, as the engine's steps make them (the guards check which kind each is)."""
     slots, arena_rows, capacity = 61, spec.max_rows + 3, 37
     # laid out as KVPool and DecodeArena lay theirs out: K and V each one tensor of all layers
-    pool_k, pool_v = _scratch(spec, (spec.num_layers, slots), dynamic=(1,))
-    arena_k, arena_v = _scratch(spec, (spec.num_layers, arena_rows, spec.num_kv_heads, capacity), dynamic=(1, 3))
+    heads, dim = spec.num_kv_heads, spec.head_dim
+    pool_k, pool_v = _scratch(spec.dtype, (spec.num_layers, slots, heads, dim), dynamic=(1,))
+    arena_k, arena_v = _scratch(spec.dtype, (spec.num_layers, arena_rows, heads, capacity, dim), dynamic=(1, 3))
     rings = ()
     if spec.ring_layers:   # a windowed pool's window slots, the arena's rings (their width W static)
-        rings = (*_scratch(spec, (spec.ring_layers, 53), dynamic=(1,)),
-                 *_scratch(spec, (spec.ring_layers, arena_rows, spec.num_kv_heads, spec.ring_width), dynamic=(1,)))
+        rings = (*_scratch(spec.dtype, (spec.ring_layers, 53, heads, dim), dynamic=(1,)),
+                 *_scratch(spec.dtype, (spec.ring_layers, arena_rows, heads, spec.ring_width, dim), dynamic=(1,)))
     inputs = []
     for count in ((1,) if spec.max_rows == 1 else (1, 2)):
         step = _scratch_step(count, spec.ring_width if rings else None)
@@ -200,11 +201,9 @@ def _warm_up(compiled: DecodeFn, spec: GraphSpec) -> tuple[tuple[torch.Tensor, .
     return tuple(inputs)
 
 
-def _scratch(spec: GraphSpec, leading: tuple[int, ...], dynamic: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero K and V scratch tensors of `leading` sizes then [Hkv, D] (arena ones: `leading` ends with
-    their capacity, then D), their `dynamic` dimensions marked as such."""
-    tail = (spec.head_dim,) if len(leading) == 4 else (spec.num_kv_heads, spec.head_dim)
-    pair = tuple(torch.zeros(*leading, *tail, dtype=spec.dtype) for _ in range(2))
+def _scratch(dtype: torch.dtype, sizes: tuple[int, ...], dynamic: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero K and V scratch tensors of `sizes`, their `dynamic` dimensions marked as such."""
+    pair = tuple(torch.zeros(sizes, dtype=dtype) for _ in range(2))
     for tensor in pair:
         for dim in dynamic:
             torch._dynamo.mark_dynamic(tensor, dim)
