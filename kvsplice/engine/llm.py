@@ -25,7 +25,8 @@ from kvsplice.engine.request import RequestOutput
 from kvsplice.layers.sampler import TokenLogprob
 from kvsplice.message_offsets import message_offsets
 from kvsplice.models.compile_choice import (choose_compile_decode, compile_cache_dir, compile_cache_key,
-                                            cpu_identity, find_cpp_compiler, model_identity, read_cpu_flags)
+                                            cpu_identity, find_cpp_compiler, model_identity)
+from kvsplice.utils.machine import read_cpu_flags
 from kvsplice.models.compiled_decode import InductorBuilder
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
@@ -97,7 +98,9 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     facts = _compile_facts(config, dtype)
     # what the machine alone decides, before the weights are read (their format, the model's kind)
     choice = choose_compile_decode(config.compile_decode, weight_format="int4", fast_path=None, **facts)
-    ckpt = load_checkpoint(path, dtype=dtype, head_blocks=choice.enabled)   # for the row head
+    # the row head (kvsplice.layers.block_int8_head) serves bf16 / fp16 models on the CPU
+    row_head = dtype != torch.float32 and torch.device(config.device).type == "cpu"
+    ckpt = load_checkpoint(path, dtype=dtype, head_blocks=row_head)
     hf_config = apply_hf_overrides(ckpt.hf_config, parse_hf_overrides(config.hf_overrides or "{}"))
     model_config = ModelConfig.from_hf_config(hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)
@@ -203,7 +206,7 @@ def decode_cache_dir(config: EngineConfig, name: str, hf_config: dict, model_con
               "layers": model_config.num_layers, "hidden": model_config.hidden_size,
               "heads": model_config.num_heads, "kv_heads": model_config.num_kv_heads,
               "head_dim": model_config.head_dim, "vocab": model_config.vocab_size,
-              "threads": [threads.compiled_step_counts(), threads.head_counts()]}
+              "threads": threads.compiled_step_counts()}
     key = compile_cache_key(torch.__version__, model_identity(name, hf_config), shapes,
                             cpu_identity(torch.backends.cpu.get_cpu_capability(), read_cpu_flags()))
     return compile_cache_dir(cache_dir(), key)

@@ -1,7 +1,6 @@
-"""A torch.compile'd function called without ever recompiling: what CompiledDecode and
-BlockInt8Head share.
+"""A torch.compile'd function called without ever recompiling (CompiledDecode's graphs).
 
-Both compile their graphs at start-up and then call them under `set_stance("fail_on_recompile")`:
+The graphs are compiled at start-up and then called under `set_stance("fail_on_recompile")`:
 a call that no graph's guards accept raises before anything runs, and the caller takes its eager
 path instead, so serving never stalls on a compile.
 """

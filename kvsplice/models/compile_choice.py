@@ -80,15 +80,6 @@ def choose_compile_decode(mode: str, cpu_flags: frozenset[str], compiler: str | 
                                f"{weight_format} projections, {compiler})")
 
 
-def read_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The flags of the first CPU in `cpuinfo`; empty where it cannot be read."""
-    try:
-        with open(cpuinfo) as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return frozenset()
-
-
 def find_cpp_compiler() -> str | None:
     """The C++ compiler inductor would call: `$CXX` where set, else the first of COMPILERS on the
     PATH; None when there is none."""

@@ -80,7 +80,6 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from kvsplice.layers.attention import length_mask
-from kvsplice.layers.block_int8_head import BlockInt8Head, Int8Blocks
 from kvsplice.layers.compiled_call import INDUCTOR_OPTIONS, GraphRefused, call_compiled
 from kvsplice.models.compile_choice import SpeedTrial, TrialVerdict
 from kvsplice.utils.thread_policy import intra_op_threads
@@ -106,8 +105,7 @@ class GraphSpec:
     """What a builder compiles: the decode step for 1 and 2..`max_rows` rows of a model of
     `num_layers` layers over the pool and arena (and `ring_layers` more over a windowed pool's
     window slots and arena rings of `ring_width` columns), `num_kv_heads` K/V heads of `head_dim`
-    in `dtype`, at each of `thread_counts`; and, with `head_blocks`, the one-row head
-    (BlockInt8Head) at `head_counts`."""
+    in `dtype`, at each of `thread_counts`."""
 
     max_rows: int
     num_layers: int
@@ -115,20 +113,17 @@ class GraphSpec:
     head_dim: int
     dtype: torch.dtype
     thread_counts: tuple[int, ...]
-    head_blocks: Optional[Int8Blocks] = None
-    head_counts: tuple[int, ...] = ()
     ring_layers: int = 0
     ring_width: Optional[int] = None
 
 
 @dataclass(frozen=True)
 class BuiltDecode:
-    """A builder's result: the compiled step (decode_fn's signature) and the row head, if any;
+    """A builder's result: the compiled step (decode_fn's signature);
     `trial_inputs`: where the switch is to be measured first (auto), decode_fn's arguments for each
     graph, one row first (what the graphs were compiled on), else empty."""
 
     step: DecodeFn
-    row_head: Optional[BlockInt8Head] = None
     trial_inputs: tuple[tuple[torch.Tensor, ...], ...] = ()
 
 
@@ -139,8 +134,8 @@ class DecodeBuilder(Protocol):
 
 
 class InductorBuilder:
-    """torch.compile (inductor, C++ wrapper) of the step and the row head, compiled by running them
-    on scratch tensors. `cache_dir`: inductor's on-disk cache for them (TORCHINDUCTOR_CACHE_DIR,
+    """torch.compile (inductor, C++ wrapper) of the step, compiled by running it on scratch
+    tensors. `cache_dir`: inductor's on-disk cache for them (TORCHINDUCTOR_CACHE_DIR,
     set for the process unless it names a directory of the user's own); None: inductor's default.
     `measure`: hand the scratch inputs back, so that the switch is measured first (auto)."""
 
@@ -156,9 +151,7 @@ class InductorBuilder:
         for count in spec.thread_counts or (torch.get_num_threads(),):   # the count is guarded: one set each
             with intra_op_threads(count):
                 inputs = _warm_up(compiled, spec)
-        row_head = (BlockInt8Head(spec.head_blocks, spec.dtype, spec.head_counts)
-                    if spec.head_blocks is not None else None)
-        return BuiltDecode(compiled, row_head, inputs if self.measure else ())
+        return BuiltDecode(compiled, inputs if self.measure else ())
 
     def _use_cache_dir(self) -> None:
         from torch._inductor import config
@@ -239,8 +232,7 @@ class CompiledDecode:
     2..`spec.max_rows` rows, built on a thread of its own once `start` (or `wait`) is called (see
     the module docstring). `covers` says whether a step can use the graphs (False until they are built);
     `__call__` takes decode_fn's arguments and returns its result, compiled where a graph covers
-    the call, eager otherwise. `row_head`: the built one-row head (None until then, or without
-    one). `state`: "building", "measuring" (auto's speed trial), "active" (a graph serves), "eager"
+    the call, eager otherwise. `state`: "building", "measuring" (auto's speed trial), "active" (a graph serves), "eager"
     (the trial kept the eager step for every graph) or "failed" (`error` then says why).
     `verdict`: the trial's, once it is done (None without one)."""
 
@@ -251,7 +243,6 @@ class CompiledDecode:
         self.max_rows = spec.max_rows
         self.compiled_steps = 0   # calls a compiled graph ran
         self.fallbacks = 0        # calls no graph covered, run eagerly
-        self.row_head: Optional[BlockInt8Head] = None
         self.error: Optional[BaseException] = None
         self.build_s: Optional[float] = None
         self.verdict: Optional[TrialVerdict] = None
@@ -324,7 +315,6 @@ class CompiledDecode:
         built = self.future.result()
         if built.trial_inputs and not self._measured(built):
             return False
-        self.row_head = built.row_head
         self._built = built
         _log.info("compiled decode: %s, %.1f s after the build started", self.state, time.perf_counter() - self._started)
         return True

@@ -227,8 +227,8 @@ class Decoder(nn.Module):
         except RuntimeError as err:
             raise ValueError(f"state dict does not fit {self.cfg.model_type}: {err}") from err
         shape = (self.cfg.vocab_size, self.cfg.hidden_size)
-        if head_blocks is not None and (head_blocks.values.shape[2], head_blocks.in_features) != shape:
-            raise ValueError(f"head_blocks of {head_blocks.values.shape[2]} x {head_blocks.in_features} "
+        if head_blocks is not None and (head_blocks.out_features, head_blocks.in_features) != shape:
+            raise ValueError(f"head_blocks of {head_blocks.out_features} x {head_blocks.in_features} "
                              f"do not fit an lm_head of {shape[0]} x {shape[1]}")
         self.head_blocks = head_blocks
 

@@ -36,8 +36,10 @@ the arena's rings:
     layer i full:     pool k/v[full index]    at out_slots           arena k/v[full index]   (row, position)
     layer i sliding:  window k/v[ring index]  at the window slots    ring k/v[ring index]    (row, position % W)
 
-Where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head), one row's logits come
-from those blocks by a compiled loop (kvsplice.layers.block_int8_head); more rows use the dense head.
+Where the checkpoint stores its lm_head as int8 blocks (a GGUF Q8_0 head) and the model runs in
+bf16 or fp16 on the CPU, the logits of up to 8 rows come from those blocks by a C kernel
+(kvsplice.layers.block_int8_head: the exact weights, in half the bytes of the bf16 copy); more rows
+use the dense head.
 
 Eligible models (`FastDecoder.supports`): every layer attention (full or sliding window) without
 an output gate, full-width RoPE (one, or one per layer: Gemma 3); optional q/k norm (qwen3,
@@ -59,7 +61,7 @@ from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
                                       plan_sequence, planned_attention)
-from kvsplice.layers.block_int8_head import BlockInt8Head
+from kvsplice.layers.block_int8_head import BlockInt8Head, Int8Blocks, build_row_head
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
 from kvsplice.layers.gguf_linear import GGUFPlanesLinear
@@ -69,6 +71,7 @@ from kvsplice.layers.rotary import LayerRotaries, Rotary
 from kvsplice.models.compiled_decode import CompiledDecode, DecodeBuilder, GraphSpec
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
+from kvsplice.models.default_model import cache_dir
 from kvsplice.utils.thread_policy import ThreadPolicy
 
 
@@ -198,24 +201,29 @@ class FastDecoder:
             self.lm_head = PackedLinear.build([model.lm_head.weight], [None], "dense")
         else:
             self.lm_head = _fuse([model.lm_head], head_format)
+        # the logits of up to 8 rows from the checkpoint's own int8 blocks (a GGUF Q8_0 head), in
+        # place of a dense head or of the GGUF planes' two int4 planes of it (fewer bytes, exact);
+        # as many rows as it measures faster than the dense head at
+        self.row_head = self._row_head(model.head_blocks if head_format in ("dense", "gguf") else None)
+        if self.row_head is not None:
+            self.row_head.fit_rows(self.lm_head)
         head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        if head_format == "gguf" and head_name in model.gguf_blocks:
+        if head_format == "gguf" and head_name in model.gguf_blocks and self.row_head is None:
             self.lm_head = GGUFPlanesLinear([model.gguf_blocks[head_name]], self.lm_head, GGUF_PLANE_ROWS)
         self.eps = cfg.rms_norm_eps
         self.q_width = cfg.num_heads * cfg.head_dim
         self.scale = cfg.attention_scale
         self.act = ACTIVATIONS[cfg.hidden_act]
         threads = threads or ThreadPolicy.from_config(None)
-        # one row's logits from the checkpoint's own int8 blocks (a GGUF Q8_0 head), compiled with
-        # the decode step: with compile_decode only (kvsplice.layers.block_int8_head); in place of
-        # a dense head, or of the GGUF planes' two int4 planes of it (fewer bytes read, exact)
-        head_blocks = model.head_blocks if head_format in ("dense", "gguf") else None
-        self.compiled = self._compile(threads, head_blocks, decode_builder) if compile_decode else None
+        self.compiled = self._compile(threads, decode_builder) if compile_decode else None
 
-    @property
-    def row_head(self) -> Optional[BlockInt8Head]:
-        """The one-row head of the compiled build, once it is built (None before, or without one)."""
-        return self.compiled.row_head if self.compiled is not None else None
+    def _row_head(self, blocks: Optional[Int8Blocks]) -> Optional[BlockInt8Head]:
+        """The head of `blocks` for a bf16 / fp16 model on the CPU (its kernel built into kvsplice's
+        cache, `native/`), else None: an fp32 model's dense head already holds the exact weights."""
+        dtype, device = self.embed.dtype, self.embed.device
+        if blocks is None or dtype not in (torch.bfloat16, torch.float16) or device.type != "cpu":
+            return None
+        return build_row_head(blocks, dtype, cache_dir() / "native")
 
     @staticmethod
     def supports(cfg: ModelConfig) -> bool:
@@ -277,9 +285,9 @@ class FastDecoder:
             return dense
         return GGUFPlanesLinear([self.gguf_blocks[name] for name in names], dense, GGUF_PLANE_ROWS)
 
-    def _compile(self, threads: ThreadPolicy, head_blocks, builder: DecodeBuilder | None) -> CompiledDecode:
-        """The compiled decode step at the thread counts `threads` runs decode steps at, and the row
-        head of `head_blocks` at its counts, built by `builder` in the background (see
+    def _compile(self, threads: ThreadPolicy, builder: DecodeBuilder | None) -> CompiledDecode:
+        """The compiled decode step at the thread counts `threads` runs decode steps at, built by
+        `builder` in the background (see
         kvsplice.models.compiled_decode). It needs few-row kernels the graph can trace: packed
         int4 / int8 projections, or GGUF blocks' int4 planes (a GGUF part without planes, Q6_K,
         multiplies its dense copy in the graph)."""
@@ -294,7 +302,7 @@ class FastDecoder:
         ring_count = sum(layer.window is not None for layer in self.layers) if self.uses_rings else 0
         spec = GraphSpec(min(linear.small_batch_rows for linear in linears), cfg.num_layers - ring_count,
                          cfg.num_kv_heads, cfg.head_dim, self.embed.dtype, threads.compiled_step_counts(),
-                         head_blocks, threads.head_counts(), ring_count, self.windows[0] if ring_count else None)
+                         ring_count, self.windows[0] if ring_count else None)
         return CompiledDecode(self.arena_decode_hidden, spec, builder)
 
     @property
@@ -411,9 +419,9 @@ class FastDecoder:
                 pool.window_k, pool.window_v, arena.ring_k, arena.ring_v)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of `final_hidden`'s rows (the lm_head): one row on `row_head` where there is
-        one (the checkpoint's exact weights), more rows on the dense head (those weights in the model
-        dtype); softcapped where the model says (tanh(logits / cap) cap)."""
+        """fp32 logits of `final_hidden`'s rows (the lm_head): up to 8 rows on `row_head` where there
+        is one (the checkpoint's exact weights), more rows on the dense head (those weights in the
+        model dtype); softcapped where the model says (tanh(logits / cap) cap)."""
         logits = self.row_head(hidden) if self.row_head is not None and self.row_head.covers(hidden) else None
         if logits is None:
             logits = self.lm_head(hidden).float()

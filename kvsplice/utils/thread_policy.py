@@ -87,13 +87,6 @@ class ThreadPolicy:
         step runs; beside a lane job the runner keeps the eager step)."""
         return (self.threads_for(decoding=True),)
 
-    def head_counts(self) -> tuple[int, ...]:
-        """Every thread count an lm_head may get: every thread, and the ones a lane job leaves."""
-        counts = {self.threads_for(decoding=False)}
-        if self.lane_threads:
-            counts.add(self.threads_for(decoding=False, beside_lane=True))
-        return tuple(sorted(counts))
-
     def apply(self, decoding: bool, beside_lane: bool = False) -> None:
         """Set torch's intra-op thread count for the next step. Side effect: on the calling
         thread (torch.set_num_threads sets OpenMP's per-thread count), the engine thread."""

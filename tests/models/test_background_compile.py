@@ -94,7 +94,7 @@ def test_a_failed_build_leaves_the_eager_step_and_says_so_once(model_dir, caplog
             compiled.wait(10)
         after = llm.generate([list(range(5, 20)), list(range(7, 30))], GREEDY)
     assert after[0].token_ids == during.token_ids
-    assert compiled.state == "failed" and compiled.compiled_steps == 0 and engine.runner.fast.row_head is None
+    assert compiled.state == "failed" and compiled.compiled_steps == 0
     assert [r.message for r in caplog.records].count(
         "compiled decode: the build failed, decode steps stay eager: RuntimeError: no compiler today") == 1
     engine.check_integrity()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvsplice.models.compile_choice import (TRIAL_CALLS, SpeedTrial, choose_compile_decode, compile_cache_dir,
-                                            compile_cache_key, cpu_identity, model_identity, read_cpu_flags)
+                                            compile_cache_key, cpu_identity, model_identity)
 
 AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 FIT = dict(cpu_flags=AMX, compiler="/usr/bin/g++", weight_format="int4", dtype="bfloat16", fast_path=None)
@@ -41,13 +41,6 @@ def test_every_missing_fact_is_named_and_on_off_are_taken_as_given():
     assert not choose_compile_decode("off", **FIT).enabled
     with pytest.raises(ValueError, match="compile_decode"):
         choose_compile_decode("yes", **FIT)
-
-
-def test_cpu_flags_come_from_cpuinfo(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor : 0\nflags : fpu avx512f amx_bf16\n\nprocessor : 1\nflags : fpu\n")
-    assert read_cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "amx_bf16"}
-    assert read_cpu_flags(str(tmp_path / "missing")) == frozenset()
 
 
 def test_the_cache_key_changes_with_each_input():
