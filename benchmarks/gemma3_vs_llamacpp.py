@@ -2,7 +2,7 @@
 the same file, one server busy at a time, each at its defaults plus what the comparison needs.
 
     python benchmarks/gemma3_vs_llamacpp.py [--prefill-lengths 2048,8192,32768] [--edit-length 32768]
-        [--edit-kinds delete_tool_result,strip_reasoning] [--decode-tokens 128] [--streams 8]
+        [--edit-kinds delete_tool_result,strip_reasoning] [--decode-tokens 128] [--streams 8] [--decode-repeats 3]
         [--llama-server PATH] [--kvsplice-args "..."] [--out runs/gemma3_vs_llamacpp.json]
 
 kvsplice: `kvsplice serve --model <gguf>` (no flags: bf16, `--weight-format auto`, which takes the
@@ -12,7 +12,8 @@ the chats rendered with benchmarks/templates/gemma3_turns.jinja, as the base mod
 template), greedy, `ignore_eos`, streamed:
 
   cold prefill   time to the one output token of a fresh prompt of random tokens at each length
-  decode         tokens/s of one stream, then of `--streams` at once (aggregate), after a 32-token prompt
+  decode         tokens/s of one stream, then of `--streams` at once (aggregate), after a 32-token prompt;
+                 the median of `--decode-repeats` runs (every run's figure in the JSON)
   edited TTFT    turn 1 of a long agent chat (`kvsplice.bench.edit_cases.long_cases` at `--edit-length`
                  tokens), then its edited turn 2: time to first token of turn 2 (kvsplice with an SCR
                  session; llama-server reusing its slot's cache with --cache-reuse 16), and what each
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -98,7 +100,7 @@ def cold_prefill(base: str, prompts: Prompts, lengths: list[int]) -> dict:
     return out
 
 
-def decode(base: str, prompts: Prompts, tokens: int, streams: int) -> dict:
+def decode_once(base: str, prompts: Prompts, tokens: int, streams: int) -> tuple[float, float]:
     """Tokens/s of one stream, then aggregate over `streams` at once, between first and last chunk."""
     single = stream_completion(base, prompts.random(32), tokens, {})
     many = [prompts.random(32) for _ in range(streams)]
@@ -108,8 +110,20 @@ def decode(base: str, prompts: Prompts, tokens: int, streams: int) -> dict:
     first = min(r.chunks[0] for r in results)
     last = max(r.chunks[-1] for r in results)
     chunks = single.chunks
-    return {"decode_1_tok_s": (len(chunks) - 1) / (chunks[-1] - chunks[0]),
-            f"decode_{streams}_tok_s": sum(len(r.chunks) - 1 for r in results) / (last - first)}
+    return ((len(chunks) - 1) / (chunks[-1] - chunks[0]),
+            sum(len(r.chunks) - 1 for r in results) / (last - first))
+
+
+def decode(base: str, prompts: Prompts, tokens: int, streams: int, repeats: int) -> dict:
+    """`decode_once` `repeats` times: the median of each figure, and every run's (`..._runs`). Why:
+    the same phase on the same server has spread by a tenth and more between runs on this shared
+    2-core machine, more than the gap being measured (docs/BENCHMARKS_HISTORY.md, "Gemma 3 270M
+    against llama-server, the 17:31 run (on the page until 7 December 19:50)")."""
+    runs = [decode_once(base, prompts, tokens, streams) for _ in range(repeats)]
+    ones, manys = [run[0] for run in runs], [run[1] for run in runs]
+    return {"decode_1_tok_s": statistics.median(ones), f"decode_{streams}_tok_s": statistics.median(manys),
+            "decode_1_tok_s_runs": [round(v, 1) for v in ones],
+            f"decode_{streams}_tok_s_runs": [round(v, 1) for v in manys]}
 
 
 def edited_ttft(base: str, prompts: Prompts, session: bool) -> dict:
@@ -132,7 +146,7 @@ def measure(server: Server, prompts: Prompts, args, session: bool) -> dict:
           f"{settled['compiled_decode']})", flush=True)
     figures = {}
     for phase in (lambda: cold_prefill(server.url, prompts, args.prefill_lengths),
-                  lambda: decode(server.url, prompts, args.decode_tokens, args.streams),
+                  lambda: decode(server.url, prompts, args.decode_tokens, args.streams, args.decode_repeats),
                   lambda: edited_ttft(server.url, prompts, session)):
         figures.update(phase())
         print(f"  {server.name}: {json.dumps(figures)}", flush=True)
@@ -163,6 +177,7 @@ def main() -> int:
     parser.add_argument("--edit-kinds", default="delete_tool_result,strip_reasoning")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--decode-repeats", type=int, default=3, help="decode runs per server; the median is reported")
     parser.add_argument("--llama-server", default=None)
     parser.add_argument("--kvsplice-args", default="", help="extra `kvsplice serve` flags, one string")
     parser.add_argument("--only", choices=("kvsplice", "llama"), default=None)
