@@ -10,7 +10,8 @@ tokenizer and chat template), greedy, `ignore_eos` with a fixed `max_tokens`, st
 
   cold prefill     latency of a fresh 2,000- and 8,000-token prompt, one output token
   decode x1        tokens/s of one stream (256 tokens), and its inter-token latency (ITL)
-  decode x8        aggregate tokens/s of 8 concurrent streams (256 tokens each)
+  decode x8        aggregate tokens/s of 8 concurrent streams (256 tokens each); both decode
+                   figures (and the ITL) the median of 3 runs
   ITL under load   ITL p50 / p99 of a decoding stream while 4 others prefill 2,000-token prompts
   edited TTFT      time to first token of the edited second turn of the built-in edit cases
                    (`kvsplice.bench.edit_cases`; kvsplice with SCR sessions, llama-server with
@@ -211,6 +212,7 @@ class Plan:
 
     prefill_lens: tuple[int, ...] = (2000, 8000)
     decode_tokens: int = 256
+    decode_repeats: int = 3
     streams: int = 8
     loaders: int = 4
     loader_len: int = 2000
@@ -248,7 +250,7 @@ def cold_prefill(base: str, work: Workload, plan: Plan) -> dict:
     return out
 
 
-def decode(base: str, work: Workload, plan: Plan) -> dict:
+def decode_once(base: str, work: Workload, plan: Plan) -> dict:
     """One stream, then `plan.streams` at once; tokens/s between first and last chunk."""
     single = complete(base, work.random(32), plan.decode_tokens, {})
     gaps = single.gaps()
@@ -261,6 +263,18 @@ def decode(base: str, work: Workload, plan: Plan) -> dict:
     return {"decode_1_tok_s": (len(single.chunks) - 1) / (single.chunks[-1] - single.chunks[0]),
             "itl_single_p50_s": quantile(gaps, 0.5), "itl_single_p99_s": quantile(gaps, 0.99),
             f"decode_{plan.streams}_tok_s": produced / (last - first)}
+
+
+def decode(base: str, work: Workload, plan: Plan) -> dict:
+    """`decode_once` `plan.decode_repeats` times: the median of each figure, and every run's
+    tokens/s (`..._runs`). Why: one run of a phase on this shared 2-core machine has moved by a
+    tenth between runs (docs/BENCHMARKS_HISTORY.md, "Gemma 3 270M against llama-server, the 21:18
+    and 23:38 runs (on the page until 8 December 00:04)")."""
+    runs = [decode_once(base, work, plan) for _ in range(plan.decode_repeats)]
+    figures = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    for key in ("decode_1_tok_s", f"decode_{plan.streams}_tok_s"):
+        figures[f"{key}_runs"] = [round(run[key], 1) for run in runs]
+    return figures
 
 
 def itl_under_prefill(base: str, work: Workload, plan: Plan) -> dict:
@@ -342,7 +356,7 @@ def measure(server: Server, work: Workload, plan: Plan, session: bool) -> dict:
                   lambda: itl_under_prefill(server.url, work, plan), lambda: edited_ttft(server.url, work, session),
                   lambda: agent_turns(server.url, work, session)):
         figures.update(phase())
-        print(f"  {server.name}: {json.dumps({k: round(v, 4) for k, v in figures.items()})}", flush=True)
+        print(f"  {server.name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()})}", flush=True)
     return figures
 
 
@@ -394,7 +408,7 @@ def main() -> int:
         print(f"SKIP: {what} not found (set --llama-server / $LLAMA_SERVER and --gguf / $SMOLLM2_GGUF; "
               "the peer is built by the project's build-llama-server.sh tool)")
         return 0
-    plan = Plan(prefill_lens=(500, 2000), decode_tokens=64, conversations=1, turns=(2, 3),
+    plan = Plan(prefill_lens=(500, 2000), decode_tokens=64, decode_repeats=1, conversations=1, turns=(2, 3),
                 loader_len=500) if args.quick else Plan()
 
     from kvsplice.models.loader import load_checkpoint
