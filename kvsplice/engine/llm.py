@@ -22,11 +22,11 @@ from kvsplice.config import EngineConfig
 from kvsplice.engine.engine import Engine, RequestFailedError
 from kvsplice.engine.failpoints import Failpoints
 from kvsplice.engine.request import RequestOutput
+from kvsplice.layers.block_int8_head import row_head_serves
 from kvsplice.layers.sampler import TokenLogprob
 from kvsplice.message_offsets import message_offsets
 from kvsplice.models.compile_choice import (choose_compile_decode, compile_cache_dir, compile_cache_key,
                                             cpu_identity, find_cpp_compiler, model_identity)
-from kvsplice.utils.machine import read_cpu_flags
 from kvsplice.models.compiled_decode import InductorBuilder
 from kvsplice.models.config import ModelConfig
 from kvsplice.models.decoder import Decoder
@@ -38,6 +38,7 @@ from kvsplice.models.loader import gguf_projection_types, load_checkpoint, load_
 from kvsplice.models.quantize import WeightFormat, may_want_gguf_blocks, resolve_weight_format, wants_gguf_blocks
 from kvsplice.reuse.accounting import ReuseStats
 from kvsplice.sampling_params import SamplingParams
+from kvsplice.utils.machine import read_cpu_flags
 from kvsplice.utils.thread_policy import ThreadPolicy
 
 _log = logging.getLogger(__name__)
@@ -98,9 +99,8 @@ def build_engine(config: EngineConfig, failpoints: Failpoints | None = None, dec
     facts = _compile_facts(config, dtype)
     # what the machine alone decides, before the weights are read (their format, the model's kind)
     choice = choose_compile_decode(config.compile_decode, weight_format="int4", fast_path=None, **facts)
-    # the row head (kvsplice.layers.block_int8_head) serves bf16 / fp16 models on the CPU
-    row_head = dtype != torch.float32 and torch.device(config.device).type == "cpu"
-    ckpt = load_checkpoint(path, dtype=dtype, head_blocks=row_head)
+    # the head's int8 blocks, for the row head (kvsplice.layers.block_int8_head)
+    ckpt = load_checkpoint(path, dtype=dtype, head_blocks=row_head_serves(dtype, config.device))
     hf_config = apply_hf_overrides(ckpt.hf_config, parse_hf_overrides(config.hf_overrides or "{}"))
     model_config = ModelConfig.from_hf_config(hf_config)
     model = Decoder.from_config(model_config, dtype=dtype)

@@ -212,6 +212,12 @@ class BlockInt8Head:
         return tile_product_reference(x, self.blocks)
 
 
+def row_head_serves(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a model in `dtype` on `device` gets a row head: bf16 / fp16 on the CPU (the kernel
+    reads host memory; an fp32 model's dense head already holds the exact weights)."""
+    return dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu"
+
+
 def build_row_head(blocks: Int8Blocks, dtype: torch.dtype, library_dir: Optional[Path] = None
                    ) -> Optional[BlockInt8Head]:
     """BlockInt8Head of `blocks`, or None (the reason logged) where its kernel cannot be had."""

@@ -61,7 +61,7 @@ from kvsplice.cache.decode_arena import DecodeArena
 from kvsplice.cache.kv_pool import KVPool
 from kvsplice.layers.attention import (SequencePlan, contiguous_decode_attention, length_mask,
                                       plan_sequence, planned_attention)
-from kvsplice.layers.block_int8_head import BlockInt8Head, Int8Blocks, build_row_head
+from kvsplice.layers.block_int8_head import BlockInt8Head, Int8Blocks, build_row_head, row_head_serves
 from kvsplice.layers.forward_batch import ForwardBatch
 from kvsplice.layers.norm import doubled_weight, rms_norm_via_layer_norm
 from kvsplice.layers.gguf_linear import GGUFPlanesLinear
@@ -218,12 +218,11 @@ class FastDecoder:
         self.compiled = self._compile(threads, decode_builder) if compile_decode else None
 
     def _row_head(self, blocks: Optional[Int8Blocks]) -> Optional[BlockInt8Head]:
-        """The head of `blocks` for a bf16 / fp16 model on the CPU (its kernel built into kvsplice's
-        cache, `native/`), else None: an fp32 model's dense head already holds the exact weights."""
-        dtype, device = self.embed.dtype, self.embed.device
-        if blocks is None or dtype not in (torch.bfloat16, torch.float16) or device.type != "cpu":
+        """The head of `blocks` where `row_head_serves` this model (its kernel built into kvsplice's
+        cache, `native/`), else None."""
+        if blocks is None or not row_head_serves(self.embed.dtype, self.embed.device):
             return None
-        return build_row_head(blocks, dtype, cache_dir() / "native")
+        return build_row_head(blocks, self.embed.dtype, cache_dir() / "native")
 
     @staticmethod
     def supports(cfg: ModelConfig) -> bool:
@@ -287,10 +286,9 @@ class FastDecoder:
 
     def _compile(self, threads: ThreadPolicy, builder: DecodeBuilder | None) -> CompiledDecode:
         """The compiled decode step at the thread counts `threads` runs decode steps at, built by
-        `builder` in the background (see
-        kvsplice.models.compiled_decode). It needs few-row kernels the graph can trace: packed
-        int4 / int8 projections, or GGUF blocks' int4 planes (a GGUF part without planes, Q6_K,
-        multiplies its dense copy in the graph)."""
+        `builder` in the background (see kvsplice.models.compiled_decode). It needs few-row kernels
+        the graph can trace: packed int4 / int8 projections, or GGUF blocks' int4 planes (a GGUF
+        part without planes, Q6_K, multiplies its dense copy in the graph)."""
         refused = self.compile_refusal(self.cfg)
         if refused is not None:
             raise ValueError(f"--compile-decode does not run {self.cfg.model_type} ({refused}); leave it off")
